@@ -1,0 +1,31 @@
+"""Observers: modules that watch tensors during calibration and choose qparams.
+
+Each observer is registered by name (``quantkit.observers.get("minmax")``), can be
+used as ``observer_or_fake_quant_ctr`` in a ``QuantizationSpec``, and can merge the
+state of another observer of its kind (``obs.merge(other)``).
+"""
+
+from ._base import QuantkitObserver
+from ._minmax import (
+    MinMaxObserver,
+    MovingAverageMinMaxObserver,
+    MovingAveragePerChannelMinMaxObserver,
+    PerChannelMinMaxObserver,
+    PlaceholderObserver,
+)
+from ._registry import available, get, register
+from ._special import DerivedObserver, FixedQParamsObserver
+
+__all__ = [
+    "QuantkitObserver",
+    "MinMaxObserver",
+    "MovingAverageMinMaxObserver",
+    "PerChannelMinMaxObserver",
+    "MovingAveragePerChannelMinMaxObserver",
+    "PlaceholderObserver",
+    "FixedQParamsObserver",
+    "DerivedObserver",
+    "register",
+    "get",
+    "available",
+]

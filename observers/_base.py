@@ -1,0 +1,148 @@
+"""Observer base class: subclasses update statistics, the base turns them into qparams."""
+
+from __future__ import annotations
+
+import torch
+from torchao.quantization.pt2e.observer import ObserverBase
+
+from quantkit._errors import CalibrationError, ConvertError
+from quantkit._qmath import DEFAULT_EPS, choose_qparams, default_qrange, underlying_dtype
+
+__all__ = ["QuantkitObserver"]
+
+_QSCHEMES = (
+    torch.per_tensor_affine,
+    torch.per_tensor_symmetric,
+    torch.per_channel_affine,
+    torch.per_channel_symmetric,
+)
+
+
+class QuantkitObserver(ObserverBase):
+    """Base class of quantkit's observers.
+
+    It subclasses torchao's ``ObserverBase``, so quantkit observers can be used as
+    ``observer_or_fake_quant_ctr`` in a torchao ``QuantizationSpec`` and are
+    recognised by torchao's ``prepare_pt2e``/``convert_pt2e`` as well as by quantkit.
+
+    A subclass implements ``_observe(x)`` (update statistics from a non-empty,
+    detached tensor), ``_min_max()`` (the range to quantize), ``calibrated`` and
+    ``_merge(other)``. The base class checks for NaN/inf, skips empty tensors and
+    turns the range into qparams with :func:`quantkit._qmath.choose_qparams`.
+
+    Args:
+        dtype: quantized dtype (torch.int8/uint8, or torch.qint8/quint8).
+        qscheme: per-tensor or per-channel, affine or symmetric.
+        quant_min, quant_max: custom integer range; default is the dtype's full range.
+        eps: smallest scale; keeps a constant tensor from getting a zero scale.
+        is_dynamic: qparams are computed at run time (dynamic quantization).
+    """
+
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.quint8,
+        qscheme: torch.qscheme = torch.per_tensor_affine,
+        quant_min: int | None = None,
+        quant_max: int | None = None,
+        eps: float = DEFAULT_EPS,
+        is_dynamic: bool = False,
+        factory_kwargs=None,
+    ) -> None:
+        super().__init__(dtype=dtype, is_dynamic=is_dynamic)
+        if qscheme not in _QSCHEMES:
+            raise ValueError(f"unsupported qscheme {qscheme}; use one of {list(_QSCHEMES)}")
+        lo, hi = default_qrange(underlying_dtype(dtype))
+        self.has_customized_qrange = quant_min is not None and quant_max is not None
+        if (quant_min is None) != (quant_max is None):
+            raise ValueError("give both quant_min and quant_max, or neither")
+        if self.has_customized_qrange:
+            if not (lo <= quant_min <= 0 <= quant_max <= hi and quant_min < quant_max):
+                raise ValueError(
+                    f"quant range [{quant_min}, {quant_max}] must contain 0 and fit in {dtype} [{lo}, {hi}]"
+                )
+        else:
+            quant_min, quant_max = lo, hi
+        self.qscheme = qscheme
+        self.quant_min = int(quant_min)
+        self.quant_max = int(quant_max)
+        self.reduce_range = False
+        self.register_buffer("eps", torch.tensor([eps], dtype=torch.float32))
+        # set by quantkit.prepare: names the graph edge this observer watches
+        self.node_name = "<unattached>"
+
+    # --- to implement in subclasses -------------------------------------------------
+    @property
+    def calibrated(self) -> bool:
+        raise NotImplementedError
+
+    def _observe(self, x: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _min_max(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _merge(self, other: "QuantkitObserver") -> None:
+        raise NotImplementedError
+
+    # --- shared behaviour -----------------------------------------------------------
+    def forward(self, x):
+        if not isinstance(x, torch.Tensor) or x.numel() == 0:
+            return x
+        if not x.is_floating_point():
+            raise CalibrationError(
+                f"observer at node '{self.node_name}' got a {x.dtype} tensor; only floating-point tensors can be quantized"
+            )
+        self._observe(x.detach())
+        return x
+
+    def _check_finite(self, min_val: torch.Tensor, max_val: torch.Tensor) -> None:
+        if not bool(torch.isfinite(min_val).all() and torch.isfinite(max_val).all()):
+            raise CalibrationError(
+                f"observer at node '{self.node_name}' saw NaN or inf values; "
+                "check the calibration data (and the float model's outputs) for NaN/inf"
+            )
+
+    def calculate_qparams(self):
+        """``(scale, zero_point)`` from the statistics seen so far.
+
+        Raises:
+            ConvertError: if the observer has seen no data.
+        """
+        if not self.calibrated:
+            raise ConvertError(
+                f"observer at node '{self.node_name}' has seen no data; "
+                "run quantkit.calibrate(prepared, data) before convert"
+            )
+        min_val, max_val = self._min_max()
+        return choose_qparams(
+            min_val,
+            max_val,
+            qscheme=self.qscheme,
+            dtype=self.dtype,
+            quant_min=self.quant_min,
+            quant_max=self.quant_max,
+            eps=self.eps,
+            customized_qrange=self.has_customized_qrange,
+        )
+
+    def merge(self, other: "QuantkitObserver") -> "QuantkitObserver":
+        """Fold ``other``'s statistics into this observer (e.g. from another process).
+
+        Returns ``self``. Both observers must be of the same class and configuration.
+        """
+        if type(other) is not type(self):
+            raise TypeError(f"cannot merge {type(other).__name__} into {type(self).__name__}")
+        for attr in ("dtype", "qscheme", "quant_min", "quant_max", "is_dynamic"):
+            if getattr(self, attr) != getattr(other, attr):
+                raise ValueError(
+                    f"cannot merge observers with different {attr}: {getattr(self, attr)} vs {getattr(other, attr)}"
+                )
+        if other.calibrated:
+            self._merge(other)
+        return self
+
+    def extra_repr(self) -> str:
+        return (
+            f"dtype={self.dtype}, qscheme={self.qscheme}, quant_min={self.quant_min}, "
+            f"quant_max={self.quant_max}, node={self.node_name!r}"
+        )

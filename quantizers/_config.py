@@ -1,0 +1,77 @@
+"""QuantConfig: what W8A8Quantizer does to one part of the model, as data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from quantkit.observers import get as get_observer
+
+__all__ = ["ActivationScheme", "QuantConfig", "QUANTIZABLE_OPS"]
+
+# op families W8A8Quantizer knows; "add" (residual adds) is off by default
+QUANTIZABLE_OPS = frozenset({"linear", "conv", "matmul", "add"})
+
+
+class ActivationScheme(str, Enum):
+    """How activations are quantized (per tensor)."""
+
+    AFFINE_UINT8 = "affine-uint8"
+    SYMMETRIC_INT8 = "symmetric-int8"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.uint8 if self is ActivationScheme.AFFINE_UINT8 else torch.int8
+
+    @property
+    def qscheme(self) -> torch.qscheme:
+        return torch.per_tensor_affine if self is ActivationScheme.AFFINE_UINT8 else torch.per_tensor_symmetric
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Static (or dynamic) W8A8 quantization settings.
+
+    Args:
+        activation: ``"affine-uint8"`` (default for static) or ``"symmetric-int8"``
+            (default for dynamic).
+        act_observer: registered observer name for activations (``"minmax"``, ...).
+            Ignored when ``dynamic`` (qparams are chosen at run time).
+        weight_observer: registered observer name for weights; weights are symmetric
+            int8, per output channel when the observer is a per-channel one.
+        dynamic: quantize activations at run time instead of calibrating them.
+        ops: op families to quantize: any of ``"linear"``, ``"conv"``, ``"matmul"``
+            (matmul/bmm, e.g. attention) and ``"add"`` (residual adds).
+
+    Example:
+        >>> QuantConfig(act_observer="moving_average_minmax", ops=frozenset({"linear"}))
+    """
+
+    activation: ActivationScheme | str | None = None
+    act_observer: str = "minmax"
+    weight_observer: str = "per_channel_minmax"
+    dynamic: bool = False
+    ops: frozenset = field(default_factory=lambda: frozenset({"linear", "conv", "matmul"}))
+
+    def __post_init__(self) -> None:
+        act = self.activation
+        if act is None:
+            act = ActivationScheme.SYMMETRIC_INT8 if self.dynamic else ActivationScheme.AFFINE_UINT8
+        try:
+            act = ActivationScheme(act)
+        except ValueError:
+            raise ValueError(
+                f"unknown activation scheme {self.activation!r}; use one of {[s.value for s in ActivationScheme]}"
+            ) from None
+        object.__setattr__(self, "activation", act)
+        if not isinstance(self.dynamic, bool):
+            raise ValueError(f"dynamic must be True or False, got {self.dynamic!r}")
+        ops = frozenset([self.ops] if isinstance(self.ops, str) else self.ops)
+        unknown = ops - QUANTIZABLE_OPS
+        if unknown:
+            raise ValueError(f"unknown op families {sorted(unknown)}; choose from {sorted(QUANTIZABLE_OPS)}")
+        object.__setattr__(self, "ops", ops)
+        get_observer(self.act_observer)  # raises ValueError naming the known observers
+        get_observer(self.weight_observer)

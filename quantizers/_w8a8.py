@@ -1,0 +1,222 @@
+"""W8A8Quantizer: static (or dynamic) int8 for linear, conv, matmul/bmm and optionally adds."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.fx import GraphModule, Node
+from torchao.quantization.pt2e.quantizer import (
+    QuantizationAnnotation,
+    QuantizationSpec,
+    Quantizer,
+    SharedQuantizationSpec,
+)
+
+from quantkit.observers import get as get_observer
+
+from ._config import QuantConfig
+
+__all__ = ["W8A8Quantizer"]
+
+_ANNOTATION_KEY = "quantization_annotation"
+aten = torch.ops.aten
+
+_LINEAR = {aten.linear.default}
+_CONV = {
+    aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+    aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding,
+}
+_MATMUL = {aten.matmul.default, aten.bmm.default, aten.mm.default}
+_ADD = {aten.add.Tensor}
+# ops that move values without changing them: quantization passes through them
+_PASSTHROUGH = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+    aten.permute.default, aten.transpose.int, aten.t.default,
+    aten.flatten.using_ints, aten.squeeze.dim, aten.unsqueeze.default,
+    aten.max_pool1d.default, aten.max_pool2d.default, aten.max_pool3d.default,
+    aten.adaptive_max_pool1d.default, aten.adaptive_max_pool2d.default,
+}
+
+
+def _is_float_tensor(arg) -> bool:
+    if not isinstance(arg, Node):
+        return False
+    val = arg.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+def _strip(fqn: str) -> str:
+    for prefix in ("L['self'].", "L__self__."):
+        if fqn.startswith(prefix):
+            fqn = fqn[len(prefix):]
+    return fqn
+
+
+def _type_name(t) -> str:
+    return t if isinstance(t, str) else f"{t.__module__}.{t.__qualname__}"
+
+
+class W8A8Quantizer(Quantizer):
+    """Static int8 weights and activations (or dynamic activations).
+
+    Weights are symmetric int8 per output channel; activations are per tensor,
+    affine uint8 by default. Covers linear, conv1d/2d/3d (batch norm is folded by
+    ``quantkit.prepare``), matmul/bmm (attention) and, with ``"add"`` in
+    ``QuantConfig.ops``, residual adds. Quantization is propagated through shape ops
+    and max pooling with ``SharedQuantizationSpec``.
+
+    Args:
+        config: the global :class:`QuantConfig` (default ``QuantConfig()``).
+        dynamic: shortcut for ``QuantConfig(dynamic=True)`` (only with ``config=None``).
+
+    Example:
+        >>> q = W8A8Quantizer().set_module_name("classifier", None)  # keep the head in float
+    """
+
+    def __init__(self, config: Optional[QuantConfig] = None, *, dynamic: Optional[bool] = None) -> None:
+        super().__init__()
+        if config is not None and not isinstance(config, QuantConfig):
+            raise TypeError(f"config must be a QuantConfig, got {type(config).__name__}")
+        if config is None:
+            config = QuantConfig(dynamic=bool(dynamic))
+        elif dynamic is not None and dynamic != config.dynamic:
+            raise ValueError("pass dynamic=... or a QuantConfig, not both with different values")
+        self.global_config: Optional[QuantConfig] = config
+        self.module_type_config: dict[str, Optional[QuantConfig]] = {}
+        self.module_name_config: dict[str, Optional[QuantConfig]] = {}
+
+    # --- configuration ------------------------------------------------------------
+    @staticmethod
+    def _check(config):
+        if config is not None and not isinstance(config, QuantConfig):
+            raise TypeError(f"expected a QuantConfig or None, got {type(config).__name__}")
+        return config
+
+    def set_global(self, config: Optional[QuantConfig]) -> "W8A8Quantizer":
+        """Config for everything not matched by a module name or type; None keeps it float."""
+        self.global_config = self._check(config)
+        return self
+
+    def set_module_type(self, module_type: type, config: Optional[QuantConfig]) -> "W8A8Quantizer":
+        """Config for ops inside modules of ``module_type`` (e.g. ``torch.nn.Linear``); None keeps them float."""
+        if not isinstance(module_type, type):
+            raise TypeError(f"module_type must be a class such as torch.nn.Linear, got {module_type!r}")
+        self.module_type_config[_type_name(module_type)] = self._check(config)
+        return self
+
+    def set_module_name(self, module_name: str, config: Optional[QuantConfig]) -> "W8A8Quantizer":
+        """Config for ops inside the submodule ``module_name`` (and its children); None keeps them float."""
+        if not isinstance(module_name, str):
+            raise TypeError(f"module_name must be a string, got {type(module_name).__name__}")
+        self.module_name_config[module_name] = self._check(config)
+        return self
+
+    def config_for(self, node: Node) -> Optional[QuantConfig]:
+        """The config that applies to ``node``: module name, then module type, then global."""
+        stack = node.meta.get("nn_module_stack") or {}
+        scopes = [(_strip(fqn), _type_name(t)) for fqn, t in stack.values()]
+        best, best_len = None, -1
+        for name, cfg in self.module_name_config.items():
+            for fqn, _ in scopes:
+                if (fqn == name or fqn.startswith(name + ".")) and len(name) > best_len:
+                    best, best_len = cfg, len(name)
+        if best_len >= 0:
+            return best
+        for _, tname in reversed(scopes):  # innermost module first
+            if tname in self.module_type_config:
+                return self.module_type_config[tname]
+        return self.global_config
+
+    # --- specs ----------------------------------------------------------------------
+    @staticmethod
+    def act_spec(config: QuantConfig) -> QuantizationSpec:
+        scheme = config.activation
+        lo, hi = (0, 255) if scheme.dtype == torch.uint8 else (-128, 127)
+        ctor = get_observer("placeholder" if config.dynamic else config.act_observer)
+        return QuantizationSpec(
+            dtype=scheme.dtype, quant_min=lo, quant_max=hi, qscheme=scheme.qscheme,
+            is_dynamic=config.dynamic, observer_or_fake_quant_ctr=ctor,
+        )
+
+    @staticmethod
+    def weight_spec(config: QuantConfig) -> QuantizationSpec:
+        ctor = get_observer(config.weight_observer)
+        cls = ctor.p.func if hasattr(ctor, "p") else ctor
+        per_channel = "PerChannel" in getattr(cls, "__name__", "")
+        return QuantizationSpec(
+            dtype=torch.int8, quant_min=-128, quant_max=127,
+            qscheme=torch.per_channel_symmetric if per_channel else torch.per_tensor_symmetric,
+            ch_axis=0, is_dynamic=False, observer_or_fake_quant_ctr=ctor,
+        )
+
+    # --- annotation -----------------------------------------------------------------
+    def annotate(self, model: GraphModule) -> GraphModule:
+        for node in model.graph.nodes:
+            if node.op != "call_function" or _ANNOTATION_KEY in node.meta:
+                continue
+            config = self.config_for(node)
+            if config is None:
+                continue
+            target = node.target
+            if target in _LINEAR and "linear" in config.ops:
+                self._annotate_weighted(node, config)
+            elif target in _CONV and "conv" in config.ops:
+                self._annotate_weighted(node, config)
+            elif target in _MATMUL and "matmul" in config.ops:
+                self._annotate_inputs(node, config, node.args[:2])
+            elif target in _ADD and "add" in config.ops:
+                self._annotate_inputs(node, config, node.args[:2])
+        self._propagate(model)
+        return model
+
+    def _annotate_weighted(self, node: Node, config: QuantConfig) -> None:
+        x, w = node.args[0], node.args[1]
+        if not (_is_float_tensor(x) and isinstance(w, Node)):
+            return
+        qmap = {x: self.act_spec(config), w: self.weight_spec(config)}
+        node.meta[_ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=qmap, _annotated=True)
+
+    def _annotate_inputs(self, node: Node, config: QuantConfig, inputs) -> None:
+        if len(inputs) < 2 or not all(_is_float_tensor(a) for a in inputs):
+            return
+        spec = self.act_spec(config)
+        qmap = {a: spec for a in inputs}
+        node.meta[_ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=qmap, _annotated=True)
+
+    def _propagate(self, model: GraphModule) -> None:
+        """Move activation quantization above shape ops and max pools whose every
+        consumer quantizes them, so the int8 tensor (not the float one) is moved."""
+        for node in reversed(list(model.graph.nodes)):
+            if node.op != "call_function" or node.target not in _PASSTHROUGH or _ANNOTATION_KEY in node.meta:
+                continue
+            x = node.args[0]
+            config = self.config_for(node)
+            if config is None or config.dynamic or not _is_float_tensor(x) or x.op == "get_attr":
+                continue
+            spec = self.act_spec(config)
+            users = list(node.users)
+            if not users or not all(self._quantizes_input(u, node, spec) for u in users):
+                continue
+            node.meta[_ANNOTATION_KEY] = QuantizationAnnotation(
+                input_qspec_map={x: spec},
+                output_qspec=SharedQuantizationSpec((x, node)),
+                _annotated=True,
+            )
+
+    @staticmethod
+    def _quantizes_input(user: Node, arg: Node, spec: QuantizationSpec) -> bool:
+        ann = user.meta.get(_ANNOTATION_KEY)
+        if ann is None or arg not in ann.input_qspec_map:
+            return False
+        s = ann.input_qspec_map[arg]
+        if isinstance(s, SharedQuantizationSpec):
+            return True
+        return isinstance(s, QuantizationSpec) and (s.dtype, s.qscheme, s.quant_min, s.quant_max) == (
+            spec.dtype, spec.qscheme, spec.quant_min, spec.quant_max)
+
+    def validate(self, model: GraphModule) -> None:
+        pass
+
+    def transform_for_annotation(self, model: GraphModule) -> GraphModule:
+        return model

@@ -1,0 +1,33 @@
+"""quantkit: PT2E-style post-training int8 quantization for PyTorch.
+
+The flow::
+
+    gm = quantkit.capture(model, example_inputs)         # torch.export
+    prepared = quantkit.prepare(gm, W8A8Quantizer())      # annotate + observers
+    quantkit.calibrate(prepared, calib_batches)          # observe ranges
+    qmodel = quantkit.convert(prepared)                   # quantize/dequantize + int8 weights
+
+or ``quantkit.quantize(model, example_inputs, calib_batches)`` for all four.
+"""
+
+from ._api import quantize
+from ._calibrate import calibrate
+from ._capture import capture
+from ._convert import convert
+from ._errors import CalibrationError, CaptureError, ConvertError, QuantkitError
+from ._prepare import prepare
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "capture",
+    "prepare",
+    "calibrate",
+    "convert",
+    "quantize",
+    "QuantkitError",
+    "CaptureError",
+    "CalibrationError",
+    "ConvertError",
+    "__version__",
+]

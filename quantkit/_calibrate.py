@@ -1,0 +1,92 @@
+"""calibrate: run representative batches through a prepared model so observers see ranges."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from ._errors import CalibrationError, QuantkitError
+from ._inputs import call_model
+
+__all__ = ["calibrate", "run_batches"]
+
+
+def _total(data: Any, max_batches: int | None) -> int | None:
+    try:
+        n = len(data)
+    except TypeError:
+        n = None
+    if max_batches is not None:
+        n = max_batches if n is None else min(n, max_batches)
+    return n
+
+
+def run_batches(model: torch.nn.Module, data: Iterable, *, progress: bool, max_batches: int | None,
+                desc: str, what: str) -> int:
+    """Run ``model`` on each batch of ``data`` under no_grad; returns the batch count."""
+    if isinstance(data, (torch.Tensor, Mapping)) or not isinstance(data, Iterable):
+        raise TypeError(
+            f"{what} data must be an iterable of batches (e.g. a list of tensors, tuples or dicts, "
+            f"or a DataLoader), got {type(data).__name__}; wrap a single batch in a list"
+        )
+    if max_batches is not None and max_batches < 1:
+        raise ValueError(f"max_batches must be at least 1, got {max_batches}")
+    from tqdm.auto import tqdm
+
+    seen = 0
+    bar = tqdm(total=_total(data, max_batches), desc=desc, unit="batch", disable=not progress, leave=False)
+    try:
+        with torch.no_grad():
+            for batch in data:
+                if max_batches is not None and seen >= max_batches:
+                    break
+                try:
+                    call_model(model, batch)
+                except QuantkitError:
+                    raise
+                except (AssertionError, RuntimeError) as exc:
+                    first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+                    if "Guard failed" in first or "guard" in first.lower():
+                        raise CalibrationError(
+                            f"{what} batch {seen} does not match the captured shapes ({first.strip()}); "
+                            "pad or crop it to the example's shape, or pass dynamic_shapes to quantkit.capture"
+                        ) from exc
+                    raise
+                seen += 1
+                bar.update(1)
+    finally:
+        bar.close()
+    return seen
+
+
+def calibrate(prepared: GraphModule, data: Iterable, *, progress: bool = True,
+              max_batches: int | None = None) -> GraphModule:
+    """Run ``data`` through a prepared model so its observers record ranges.
+
+    Args:
+        prepared: the output of :func:`quantkit.prepare`.
+        data: an iterable of batches; each batch is a tensor, a tuple of positional
+            arguments or a dict of keyword arguments. Batch sizes may vary.
+        progress: show a progress bar.
+        max_batches: stop after this many batches.
+
+    Returns:
+        ``prepared`` itself (calibration updates it in place).
+
+    Raises:
+        CalibrationError: no batches, NaN/inf activations (the message names the node),
+            or a batch whose shape the captured graph cannot take.
+    """
+    if not isinstance(prepared, GraphModule) or not prepared.meta.get("quantkit_prepared", False):
+        raise TypeError("calibrate expects a model returned by quantkit.prepare")
+    seen = run_batches(prepared, data, progress=progress, max_batches=max_batches,
+                       desc="calibrating", what="calibration")
+    if seen == 0:
+        raise CalibrationError(
+            "calibration data is empty: no batches were run; pass at least one representative batch"
+        )
+    prepared.meta["quantkit_calibrated_batches"] = prepared.meta.get("quantkit_calibrated_batches", 0) + seen
+    return prepared

@@ -1,0 +1,120 @@
+"""capture: torch.export a float model into an FX GraphModule with a dynamic batch dimension."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.export import Dim
+
+from ._errors import CaptureError
+from ._inputs import as_args_kwargs
+
+__all__ = ["capture"]
+
+# where capture() keeps what save() needs to re-export the converted graph
+CAPTURE_META_KEY = "quantkit_capture"
+
+
+def _batch_dynamic(value: Any):
+    """``{0: Dim.AUTO}`` for every tensor with a batch dimension, ``None`` elsewhere."""
+    if isinstance(value, torch.Tensor):
+        return {0: Dim.AUTO} if value.dim() > 0 else None
+    if isinstance(value, (tuple, list)):
+        return type(value)(_batch_dynamic(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _batch_dynamic(v) for k, v in value.items()}
+    return None
+
+
+def _tensors(value: Any):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _double_batch(value: Any):
+    if isinstance(value, torch.Tensor):
+        return torch.cat([value, value]) if value.dim() > 0 else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_double_batch(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _double_batch(v) for k, v in value.items()}
+    return value
+
+
+def _summarise(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    first = lines[0] if lines else type(exc).__name__
+    if len(first) > 240:
+        first = first[:237] + "..."
+    return f"{type(exc).__name__}: {first}"
+
+
+def _hint(exc: BaseException) -> str:
+    text = str(exc)
+    if "data-dependent" in text or "Could not guard on data-dependent" in text:
+        return ("the model branches on tensor values; replace that Python control flow "
+                "with torch.cond/torch.where, or capture a wrapper that avoids it")
+    if "Constraints violated" in text or "specialized" in text:
+        return "a dimension you marked dynamic is fixed by the model; pass dynamic_shapes explicitly"
+    if isinstance(exc, (TypeError, ValueError)) and "argument" in text:
+        return "check that example_inputs match the model's forward() signature"
+    return "make the model torch.export-able (see torch.export's docs), or pass dynamic_shapes explicitly"
+
+
+def _export(model, args, kwargs, dynamic_shapes):
+    return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+
+
+def capture(model: torch.nn.Module, example_inputs: Any, *, dynamic_shapes=None) -> torch.fx.GraphModule:
+    """Export ``model`` (in eval mode) with torch.export, non-strict.
+
+    Args:
+        model: the float model. It is switched to eval mode.
+        example_inputs: a tensor, a tuple of positional arguments, or a dict of keyword
+            arguments (an HF tokenizer's output works as it is).
+        dynamic_shapes: passed to torch.export. By default dim 0 of every tensor input is
+            dynamic (``Dim.AUTO``), so calibration and inference batches may have any size.
+
+    Returns:
+        The exported ``torch.fx.GraphModule``, ready for :func:`quantkit.prepare`.
+
+    Raises:
+        CaptureError: if torch.export fails; the message summarises why, with a hint.
+
+    Example:
+        >>> gm = quantkit.capture(model, (torch.randn(8, 16),))
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"capture expects a torch.nn.Module, got {type(model).__name__}")
+    model.eval()
+    args, kwargs = as_args_kwargs(example_inputs)
+    user_shapes = dynamic_shapes is not None
+    if not user_shapes:
+        dynamic_shapes = _batch_dynamic(kwargs) if kwargs else _batch_dynamic(args)
+        if kwargs and args:
+            dynamic_shapes = None
+    try:
+        ep = None
+        tensors = list(_tensors((args, kwargs)))
+        if not user_shapes and tensors and all(t.dim() > 0 and t.shape[0] == 1 for t in tensors):
+            # Dim.AUTO specialises a size-1 batch to 1; trace with the batch doubled so it stays dynamic
+            try:
+                ep = _export(model, _double_batch(args), _double_batch(kwargs), dynamic_shapes)
+            except Exception:
+                ep = None
+        if ep is None:
+            ep = _export(model, args, kwargs, dynamic_shapes)
+    except Exception as exc:  # torch.export raises many types; summarise them all
+        raise CaptureError(
+            f"torch.export could not capture {type(model).__name__}: {_summarise(exc)}. Hint: {_hint(exc)}"
+        ) from exc
+    gm = ep.module()
+    gm.meta[CAPTURE_META_KEY] = {"args": args, "kwargs": kwargs, "dynamic_shapes": dynamic_shapes}
+    return gm

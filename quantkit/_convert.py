@@ -1,0 +1,227 @@
+"""convert: replace observers with quantized_decomposed quantize/dequantize pairs, fold weights to int8."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ._errors import ConvertError
+from ._prepare import is_observer_node
+from ._qmath import is_per_channel, underlying_dtype
+
+__all__ = ["convert", "QPARAMS_META_KEY"]
+
+# gm.meta entry listing every quantized tensor with its qparams (used by reports)
+QPARAMS_META_KEY = "quantkit_qparams"
+
+_OPS = torch.ops.quantized_decomposed
+_QUANTIZE_OPS = (
+    _OPS.quantize_per_tensor.default,
+    _OPS.quantize_per_tensor.tensor,
+    _OPS.quantize_per_channel.default,
+)
+_DEQUANTIZE_OPS = (
+    _OPS.dequantize_per_tensor.default,
+    _OPS.dequantize_per_tensor.tensor,
+    _OPS.dequantize_per_channel.default,
+)
+_CHOOSE_QPARAMS = {
+    torch.per_tensor_affine: _OPS.choose_qparams.tensor,
+    torch.per_tensor_symmetric: _OPS.choose_qparams_symmetric.tensor,
+}
+_SUPPORTED = (torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32)
+
+
+def _attr(gm: torch.nn.Module, target: str):
+    obj = gm
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def _constant_value(gm: GraphModule, node, memo: dict):
+    """Evaluate ``node`` if it depends only on module attributes; else return None."""
+    if not isinstance(node, Node):
+        return node
+    if node in memo:
+        return memo[node]
+    value = None
+    if node.op == "get_attr":
+        value = _attr(gm, str(node.target))
+    elif node.op == "call_function" and not getattr(node.target, "_nondeterministic_seeded", False):
+        args = [_constant_value(gm, a, memo) for a in node.args]
+        kwargs = {k: _constant_value(gm, v, memo) for k, v in node.kwargs.items()}
+        deps = [a for a in list(node.args) + list(node.kwargs.values()) if isinstance(a, Node)]
+        if all(memo.get(d) is not None for d in deps):
+            with torch.no_grad():
+                value = node.target(*args, **kwargs)
+    memo[node] = value
+    return value
+
+
+def _is_calibrated(obs) -> bool:
+    flag = getattr(obs, "calibrated", None)
+    if flag is not None:
+        return bool(flag)
+    min_val = getattr(obs, "min_val", None)
+    if isinstance(min_val, torch.Tensor):
+        return min_val.numel() > 0 and bool(torch.isfinite(min_val).all())
+    return True
+
+
+class _Converter:
+    def __init__(self, gm: GraphModule):
+        self.gm = gm
+        self.graph = gm.graph
+        self.modules = dict(gm.named_modules(remove_duplicate=False))
+        self.memo: dict = {}
+        self.records: list[dict] = []
+
+    def _new_attr(self, base: str, value: torch.Tensor) -> Node:
+        i = 0
+        while hasattr(self.gm, f"{base}{i}"):
+            i += 1
+        name = f"{base}{i}"
+        self.gm.register_buffer(name, value)
+        return self.graph.get_attr(name)
+
+    def replace(self, node: Node) -> None:
+        obs = self.modules[str(node.target)]
+        src = node.args[0]
+        const = _constant_value(self.gm, src, self.memo)
+        dtype = underlying_dtype(getattr(obs, "dtype", torch.float32))
+        is_dynamic = bool(getattr(obs, "is_dynamic", False))
+        out_kwargs = {}
+        val = src.meta.get("val") if isinstance(src, Node) else None
+        if isinstance(val, torch.Tensor) and val.dtype != torch.float32:
+            out_kwargs = {"out_dtype": val.dtype}
+        with self.graph.inserting_before(node):
+            if dtype == torch.float16:
+                conv = _OPS.convert_element_type.no_fuse
+                out = self.graph.call_function(conv, (self.graph.call_function(conv, (src, torch.float16)), torch.float32))
+            elif dtype not in _SUPPORTED:
+                out = src  # nothing to quantize (e.g. a float passthrough observer)
+            elif is_dynamic:
+                qscheme = getattr(obs, "qscheme", torch.per_tensor_affine)
+                if qscheme not in _CHOOSE_QPARAMS:
+                    raise ConvertError(
+                        f"dynamic quantization supports per-tensor qschemes only, got {qscheme} at node '{node.name}'"
+                    )
+                eps = float(getattr(obs, "eps", torch.tensor([torch.finfo(torch.float32).eps])).reshape(-1)[0])
+                choose = self.graph.call_function(_CHOOSE_QPARAMS[qscheme], (src, obs.quant_min, obs.quant_max, eps, dtype))
+                scale = self.graph.call_function(operator.getitem, (choose, 0))
+                zp = self.graph.call_function(operator.getitem, (choose, 1))
+                qargs = (scale, zp, obs.quant_min, obs.quant_max, dtype)
+                q = self.graph.call_function(_OPS.quantize_per_tensor.tensor, (src,) + qargs)
+                out = self.graph.call_function(_OPS.dequantize_per_tensor.tensor, (q,) + qargs, out_kwargs)
+                self.records.append({"node": obs.node_name if hasattr(obs, "node_name") else node.name,
+                                     "kind": "dynamic", "dtype": str(dtype).replace("torch.", "")})
+            else:
+                scale, zp = obs.calculate_qparams()
+                if is_per_channel(obs.qscheme):
+                    axis = int(obs.ch_axis)
+                    scale_node = self._new_attr("_qk_scale_", scale.detach().clone())
+                    zp_node = self._new_attr("_qk_zero_point_", zp.detach().clone())
+                    qargs = (scale_node, zp_node, axis, obs.quant_min, obs.quant_max, dtype)
+                    q_op, dq_op = _OPS.quantize_per_channel.default, _OPS.dequantize_per_channel.default
+                else:
+                    qargs = (float(scale), int(zp), obs.quant_min, obs.quant_max, dtype)
+                    q_op, dq_op = _OPS.quantize_per_tensor.default, _OPS.dequantize_per_tensor.default
+                if isinstance(const, torch.Tensor):
+                    # fold: store the integer tensor, keep only the dequantize in the graph
+                    qvalue = q_op(const.detach(), *[self._literal(a) for a in qargs])
+                    q = self._new_attr("_qk_int_weight_", qvalue)
+                else:
+                    q = self.graph.call_function(q_op, (src,) + qargs)
+                out = self.graph.call_function(dq_op, (q,) + qargs, out_kwargs)
+                self.records.append({
+                    "node": getattr(obs, "node_name", node.name),
+                    "kind": "weight" if isinstance(const, torch.Tensor) else "activation",
+                    "dtype": str(dtype).replace("torch.", ""),
+                    "qscheme": str(obs.qscheme).replace("torch.", ""),
+                    "scale": scale.detach().reshape(-1).tolist(),
+                    "zero_point": zp.detach().reshape(-1).tolist(),
+                    "quant_min": obs.quant_min,
+                    "quant_max": obs.quant_max,
+                })
+        node.replace_all_uses_with(out)
+        self.graph.erase_node(node)
+
+    def _literal(self, arg):
+        return _attr(self.gm, str(arg.target)) if isinstance(arg, Node) else arg
+
+
+def _duplicate_dequantize(gm: GraphModule) -> None:
+    """Give every consumer of a dequantize its own copy (the pattern Inductor matches)."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _DEQUANTIZE_OPS or len(node.users) <= 1:
+            continue
+        for user in list(node.users)[1:]:
+            with gm.graph.inserting_after(node):
+                copy = gm.graph.node_copy(node)
+            user.replace_input_with(node, copy)
+
+
+def _remove_unused_attributes(gm: GraphModule) -> None:
+    used = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    for name, _ in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
+        if name in used:
+            continue
+        *path, attr = name.split(".")
+        owner = gm.get_submodule(".".join(path)) if path else gm
+        if attr in owner._parameters:
+            del owner._parameters[attr]
+        elif attr in owner._buffers:
+            del owner._buffers[attr]
+
+
+def convert(prepared: GraphModule) -> GraphModule:
+    """Replace every observer with a ``quantized_decomposed`` quantize/dequantize pair.
+
+    Static per-tensor observers become ``quantize_per_tensor``/``dequantize_per_tensor``
+    with scalar qparams, per-channel ones ``*_per_channel`` with qparam buffers, dynamic
+    ones ``choose_qparams`` + ``*_per_tensor.tensor``. Quantized constants (weights)
+    are folded: the graph keeps an int8 buffer and its dequantize only, and the float
+    weight is dropped. Every dequantize with several consumers is duplicated per consumer.
+
+    Raises:
+        ConvertError: if an activation observer has seen no data (calibrate first).
+    """
+    if not isinstance(prepared, GraphModule):
+        raise TypeError(f"convert expects the GraphModule returned by quantkit.prepare, got {type(prepared).__name__}")
+    conv = _Converter(prepared)
+    obs_nodes = [n for n in prepared.graph.nodes if is_observer_node(n, conv.modules)]
+    if not obs_nodes:
+        raise ConvertError("the model has no observers; call quantkit.prepare(model, quantizer) before convert")
+    # weights first: observe constants that calibration did not reach, then check
+    # every activation observer before changing anything, so a failure leaves the
+    # prepared model as it was
+    for node in obs_nodes:
+        obs = conv.modules[str(node.target)]
+        const = _constant_value(prepared, node.args[0], conv.memo)
+        if isinstance(const, torch.Tensor) and not _is_calibrated(obs) and not getattr(obs, "is_dynamic", False):
+            obs(const)
+    for node in obs_nodes:
+        obs = conv.modules[str(node.target)]
+        if not getattr(obs, "is_dynamic", False) and not _is_calibrated(obs):
+            hint = ("the model was never calibrated" if not prepared.meta.get("quantkit_calibrated_batches")
+                    else "no calibration batch reached it")
+            raise ConvertError(
+                f"observer at node '{getattr(obs, 'node_name', node.name)}' has seen no data ({hint}); "
+                "run quantkit.calibrate(prepared, data) before convert"
+            )
+    for node in obs_nodes:
+        conv.replace(node)
+    _duplicate_dequantize(prepared)
+    prepared.graph.eliminate_dead_code()
+    prepared.delete_all_unused_submodules()
+    _remove_unused_attributes(prepared)
+    prepared.recompile()
+    converted = GraphModule(prepared, prepared.graph)
+    converted.meta.update(prepared.meta)
+    converted.meta.pop("quantkit_prepared", None)
+    converted.meta["quantkit_converted"] = True
+    converted.meta[QPARAMS_META_KEY] = conv.records
+    return converted

@@ -1,0 +1,201 @@
+"""The one source of quantization math: ranges, qparams, quantize, dequantize, SQNR.
+
+Observers, convert, the kernels' references and the tests all call these functions.
+The formulas follow torchao's ``UniformQuantizationObserverBase._calculate_qparams``
+operation for operation (float32 arithmetic, same rounding), so that quantkit's
+observers give bit-identical qparams to torchao's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# importing torchao registers the `quantized_decomposed` op library
+import torchao.quantization.pt2e  # noqa: F401
+
+__all__ = [
+    "DEFAULT_EPS",
+    "default_qrange",
+    "is_symmetric",
+    "is_per_channel",
+    "choose_qparams",
+    "quantize",
+    "dequantize",
+    "fake_quantize",
+    "sqnr",
+]
+
+# torch.finfo(torch.float32).eps, the floor torchao uses for scales
+DEFAULT_EPS = torch.finfo(torch.float32).eps
+
+_QRANGES = {
+    torch.int8: (-128, 127),
+    torch.qint8: (-128, 127),
+    torch.uint8: (0, 255),
+    torch.quint8: (0, 255),
+    torch.int16: (-(2**15), 2**15 - 1),
+    torch.uint16: (0, 2**16 - 1),
+    torch.int32: (-(2**31), 2**31 - 1),
+    torch.qint32: (-(2**31), 2**31 - 1),
+}
+
+_UNDERLYING = {torch.qint8: torch.int8, torch.quint8: torch.uint8, torch.qint32: torch.int32}
+
+
+def underlying_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Map quantized dtypes (torch.quint8, ...) to their plain integer dtype."""
+    return _UNDERLYING.get(dtype, dtype)
+
+
+def default_qrange(dtype: torch.dtype) -> tuple[int, int]:
+    """Full integer range of ``dtype``, e.g. (-128, 127) for int8.
+
+    Raises:
+        ValueError: for a dtype that is not an integer quantization dtype.
+    """
+    if dtype not in _QRANGES:
+        raise ValueError(
+            f"unsupported quantization dtype {dtype}; use one of torch.int8, torch.uint8, torch.int16, torch.int32"
+        )
+    return _QRANGES[dtype]
+
+
+def is_symmetric(qscheme: torch.qscheme) -> bool:
+    return qscheme in (torch.per_tensor_symmetric, torch.per_channel_symmetric)
+
+
+def is_per_channel(qscheme: torch.qscheme) -> bool:
+    return qscheme in (
+        torch.per_channel_symmetric,
+        torch.per_channel_affine,
+        torch.per_channel_affine_float_qparams,
+    )
+
+
+def choose_qparams(
+    min_val: torch.Tensor,
+    max_val: torch.Tensor,
+    *,
+    qscheme: torch.qscheme,
+    dtype: torch.dtype,
+    quant_min: int,
+    quant_max: int,
+    eps: float | torch.Tensor = DEFAULT_EPS,
+    customized_qrange: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point that map ``[min_val, max_val]`` onto ``[quant_min, quant_max]``.
+
+    The range is always widened to include 0, so that 0.0 is exactly representable.
+    A constant or all-zero tensor never gets a zero scale: scales are floored at ``eps``.
+
+    Args:
+        min_val, max_val: observed minimum and maximum (scalars, or one per channel).
+        qscheme: torch.per_tensor_affine / per_tensor_symmetric / per_channel_*.
+        dtype: target integer dtype; decides the symmetric zero point for unsigned types.
+        quant_min, quant_max: integer range.
+        eps: smallest allowed scale.
+        customized_qrange: the range was given by the user (symmetric unsigned types
+            then use the range's midpoint as the zero point, as torchao does).
+
+    Returns:
+        ``(scale, zero_point)``: float32 and int64 tensors of shape ``[1]`` (per tensor)
+        or ``[C]`` (per channel).
+    """
+    min_val = min_val.detach().float()
+    max_val = max_val.detach().float()
+    device = min_val.device
+    if not isinstance(eps, torch.Tensor):
+        eps = torch.tensor([eps], dtype=torch.float32, device=device)
+    eps = eps.to(device)
+    min_val_neg = torch.min(min_val, torch.zeros_like(min_val))
+    max_val_pos = torch.max(max_val, torch.zeros_like(max_val))
+    zero_point = torch.zeros(min_val_neg.size(), dtype=torch.int64, device=device)
+    if is_symmetric(qscheme):
+        max_val_pos = torch.max(-min_val_neg, max_val_pos)
+        scale = max_val_pos / (float(quant_max - quant_min) / 2)
+        scale = torch.max(scale, eps)
+        if dtype in (torch.quint8, torch.uint8):
+            mid = (quant_min + quant_max) // 2 if customized_qrange else 128
+            zero_point = zero_point.new_full(zero_point.size(), mid)
+        elif dtype == torch.uint16:
+            zero_point = zero_point.new_full(zero_point.size(), 2**15)
+    elif qscheme == torch.per_channel_affine_float_qparams:
+        scale = (max_val - min_val) / float(quant_max - quant_min)
+        scale = torch.where(scale > eps, scale, torch.ones_like(scale))
+        zero_point = -1 * min_val / scale
+    else:
+        scale = (max_val_pos - min_val_neg) / float(quant_max - quant_min)
+        scale = torch.max(scale, eps)
+        zero_point = quant_min - torch.round(min_val_neg / scale).to(torch.int)
+        zero_point = torch.clamp(zero_point, quant_min, quant_max).to(torch.int64)
+    if scale.dim() == 0:
+        scale = scale.reshape(1)
+    if zero_point.dim() == 0:
+        zero_point = zero_point.reshape(1)
+    return scale.to(torch.float32), zero_point
+
+
+def quantize(
+    x: torch.Tensor,
+    scale: torch.Tensor | float,
+    zero_point: torch.Tensor | int,
+    quant_min: int,
+    quant_max: int,
+    dtype: torch.dtype,
+    axis: int | None = None,
+) -> torch.Tensor:
+    """Quantize ``x`` exactly as the ``quantized_decomposed`` graph ops do.
+
+    Per tensor when ``axis`` is None (scale/zero_point scalars), otherwise per channel
+    along ``axis``.
+    """
+    dtype = underlying_dtype(dtype)
+    ops = torch.ops.quantized_decomposed
+    if axis is None:
+        return ops.quantize_per_tensor.default(
+            x, float(scale), int(zero_point), quant_min, quant_max, dtype
+        )
+    return ops.quantize_per_channel.default(
+        x, scale, zero_point, axis, quant_min, quant_max, dtype
+    )
+
+
+def dequantize(
+    q: torch.Tensor,
+    scale: torch.Tensor | float,
+    zero_point: torch.Tensor | int,
+    quant_min: int,
+    quant_max: int,
+    dtype: torch.dtype,
+    axis: int | None = None,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize` (to float32)."""
+    dtype = underlying_dtype(dtype)
+    ops = torch.ops.quantized_decomposed
+    if axis is None:
+        return ops.dequantize_per_tensor.default(
+            q, float(scale), int(zero_point), quant_min, quant_max, dtype
+        )
+    return ops.dequantize_per_channel.default(
+        q, scale, zero_point, axis, quant_min, quant_max, dtype
+    )
+
+
+def fake_quantize(x, scale, zero_point, quant_min, quant_max, dtype, axis=None) -> torch.Tensor:
+    """``dequantize(quantize(x))``: the value the int8 graph computes with."""
+    return dequantize(
+        quantize(x, scale, zero_point, quant_min, quant_max, dtype, axis),
+        scale, zero_point, quant_min, quant_max, dtype, axis,
+    )
+
+
+def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: 20·log10(‖ref‖ / ‖ref − approx‖).
+
+    Computed in float64. Returns ``inf`` when the two are identical.
+    """
+    ref = reference.detach().double()
+    err = (ref - approx.detach().double()).norm()
+    if err == 0:
+        return float("inf")
+    return float(20 * torch.log10(ref.norm() / err))
