@@ -1,0 +1,1 @@
+"""Bundled calibration data: ``sentences.txt`` holds one English sentence per line."""
