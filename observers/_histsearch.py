@@ -26,6 +26,7 @@ __all__ = [
     "mse_error",
     "l2_error",
     "percentile_range",
+    "kl_histogram",
     "search_kl",
     "search_error",
 ]
@@ -50,7 +51,7 @@ def _cdf_at(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, x: torch.Ten
     width = (hi - lo) / n
     flat = width <= 0
     pos = (x - lo[:, None]) / torch.where(flat, torch.ones_like(width), width)[:, None]
-    pos = torch.where(flat[:, None], torch.where(x >= lo[:, None], float(n), 0.0), pos)
+    pos = torch.where(flat[:, None], torch.where(x > lo[:, None], float(n), 0.0), pos)
     pos = pos.clamp(0, n)
     k = pos.floor().clamp(max=n - 1).long()
     return cdf.gather(1, k) + (pos - k) * hist.gather(1, k)
@@ -135,7 +136,7 @@ class _Moments:
         k = ((xc - lo) / w).floor().clamp(0, self.n - 1).long()
         d = xc - (lo + k * w)
         out = self.icdf.gather(1, k) + d * (self.s0.gather(1, k) + d * self.hist.gather(1, k) / (2 * w))
-        out = out + self.s0[:, -1:] * (x - xc)  # beyond the top every point adds the total
+        out = out + self.s0[:, -1:] * (x - xc).clamp_min(0)  # above the top, F is the total
         return out.view(shape)
 
 
@@ -322,6 +323,29 @@ def search_error(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, qp: dic
     return lo_c[:, 0], hi_c[:, 0]
 
 
+def kl_histogram(hist: torch.Tensor, lo: float, hi: float, symmetric: bool) -> tuple[torch.Tensor, float]:
+    """The histogram the KL search runs on, and the position of 0 in it (in bins).
+
+    Symmetric: the ``|x|`` histogram over ``[0, amax]``. Either way the bin holding 0
+    gets its neighbour's count (as ModelOpt does): 0 is exactly representable, and a
+    spike of exact zeros (ReLU outputs, padding) would otherwise dominate the
+    divergence and drive the search to clip half the range.
+    """
+    h = hist.reshape(1, -1).to(_F64)
+    n = h.shape[1]
+    lo_t = torch.tensor([lo], dtype=_F64, device=h.device)
+    hi_t = torch.tensor([hi], dtype=_F64, device=h.device)
+    if symmetric:
+        h, _ = abs_histogram(h, lo_t, hi_t)
+        zero = 0.0
+    else:
+        zero = min(max(-lo / ((hi - lo) / n), 0.0), float(n))
+    h = h[0].clone()
+    z = min(int(zero), n - 1)
+    h[z] = h[z + 1] if z + 1 < n else h[z - 1]
+    return h, zero
+
+
 def search_kl(hist: torch.Tensor, lo: float, hi: float, qp: dict) -> tuple[float, float]:
     """Range with the smallest KL divergence (see :func:`kl_divergence`), per tensor.
 
@@ -329,24 +353,23 @@ def search_kl(hist: torch.Tensor, lo: float, hi: float, qp: dict) -> tuple[float
     whole range (TensorRT), with ``levels = (quant_max − quant_min + 1) // 2`` (128 for
     int8). Affine: windows ``[start, stop)`` of the signed histogram that contain 0,
     with ``levels = quant_max − quant_min + 1`` (256), searched coarse to fine in 2D.
+    Both run on :func:`kl_histogram`.
     """
-    h = hist.reshape(1, -1).to(_F64)
-    n = h.shape[1]
-    lo_t = torch.tensor([lo], dtype=_F64, device=h.device)
-    hi_t = torch.tensor([hi], dtype=_F64, device=h.device)
+    n = hist.numel()
     nlev = qp["quant_max"] - qp["quant_min"] + 1
-    if is_symmetric(qp["qscheme"]):
+    sym = is_symmetric(qp["qscheme"])
+    h, zero = kl_histogram(hist, lo, hi, sym)
+    if sym:
         levels = nlev // 2
-        ah, amax = abs_histogram(h, lo_t, hi_t)
+        amax = max(abs(lo), abs(hi))
         if n < levels:
-            return -float(amax), float(amax)
+            return -amax, amax
         stop = torch.arange(levels, n + 1, device=h.device)
-        kl = kl_divergence(ah[0], torch.zeros_like(stop), stop, levels)
-        t = float(amax) * int(stop[int(torch.argmin(kl))]) / n
+        kl = kl_divergence(h, torch.zeros_like(stop), stop, levels)
+        t = amax * int(stop[int(torch.argmin(kl))]) / n
         return -t, t
     levels = nlev
     width = (hi - lo) / n
-    zero = min(max(-lo / width, 0.0), float(n))  # position of 0 in bins
     max_left, max_right = int(zero), n - int(-(-zero // 1))
     if n < levels:
         return lo, hi
@@ -355,7 +378,7 @@ def search_kl(hist: torch.Tensor, lo: float, hi: float, qp: dict) -> tuple[float
         start = torch.round(f[0, :, 0] * max_left).long()
         stop = n - torch.round(f[0, :, 1] * max_right).long()
         ok = stop - start >= levels
-        kl = kl_divergence(h[0], torch.where(ok, start, 0), torch.where(ok, stop, n), levels)
+        kl = kl_divergence(h, torch.where(ok, start, 0), torch.where(ok, stop, n), levels)
         return torch.where(ok, kl, float("inf"))[None]
 
     best = _grid_search(err_fn, 1, 2, h.device, _STAGES_KL_2D)[0]
