@@ -206,7 +206,7 @@ def _group_table(cum: torch.Tensor, nzc: torch.Tensor, max_per: int) -> torch.Te
     for m in range(1, max_per + 1):  # group sizes (n // levels of them), not candidates
         g = cum[m:] - cum[:-m]
         z = nzc[m:] - nzc[:-m]
-        v = torch.where(g > 0, g * torch.log(g / torch.where(z > 0, z, 1.0)), 0.0)
+        v = g * torch.log(torch.where(g > 0, g / torch.where(z > 0, z, 1.0), 1.0))
         r = -(-(n + 1) // m) + 1
         vp = torch.nn.functional.pad(v, (0, r * m - v.shape[0])).view(r, m)
         rows.append((vp.cumsum(0) - vp).reshape(-1)[: n + 1])
@@ -259,6 +259,7 @@ def kl_divergence(hist: torch.Tensor, start: torch.Tensor, stop: torch.Tensor, l
     z1 = nzc[stop] - nzc[last_start] + ((h[stop - 1] == 0) & (right > 0)).to(_F64)
 
     def term(p, g, z):
+        # P > 0 with G = 0 gives log(0) = -inf: Q is zero where P is not, KL = inf
         return torch.where(p > 0, p * torch.log(g / torch.where(z > 0, z, 1.0)), 0.0)
 
     cross = middle + term(g0 + left, g0, z0) + term(g1 + right, g1, z1)

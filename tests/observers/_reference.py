@@ -27,3 +27,18 @@ def kl_threshold_reference(abs_hist, levels: int = 128) -> int:
     n = len(abs_hist)
     kls = [kl_reference(abs_hist, 0, i, levels) for i in range(levels, n + 1)]
     return levels + int(np.argmin(kls))
+
+
+def mse_threshold_reference(abs_hist, amax: float, quant_max: int = 127) -> float:
+    """ModelOpt-style MSE calibration: for each bin edge as threshold, fake-quantize the
+    bin centres (symmetric int8) and take the count-weighted squared error."""
+    h = np.asarray(abs_hist, dtype=np.float64)
+    n = len(h)
+    centres = (np.arange(n) + 0.5) * amax / n
+    errs = []
+    for i in range(1, n + 1):
+        t = i * amax / n
+        s = t / (quant_max + 0.5)
+        fq = np.clip(np.round(centres / s), -quant_max - 1, quant_max) * s
+        errs.append(float((h * (centres - fq) ** 2).sum()))
+    return (1 + int(np.argmin(errs))) * amax / n
