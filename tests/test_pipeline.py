@@ -239,3 +239,14 @@ def test_calibrate_max_batches():
     prepared, x = _prepared_mlp()
     quantkit.calibrate(prepared, [(x[:8],), (x * 100,)], progress=False, max_batches=1)
     assert prepared.meta["quantkit_calibrated_batches"] == 1
+
+
+def test_prepare_leaves_the_captured_graph_untouched():
+    model, x = make_cnn()
+    gm = quantkit.capture(model, (x[:8],))
+    before = [(n.name, n.target) for n in gm.graph.nodes]
+    a = quantkit.prepare(gm, W8A8Quantizer())
+    b = quantkit.prepare(gm, W8A8Quantizer(dynamic=True))
+    assert [(n.name, n.target) for n in gm.graph.nodes] == before
+    assert not any("quantization_annotation" in n.meta for n in gm.graph.nodes)
+    assert a is not gm and b is not gm
