@@ -80,6 +80,11 @@ def quantize_per_token(x: torch.Tensor, eps: float = DEFAULT_EPS) -> tuple[torch
         >>> y = quantkit.kernels.int8_linear(q, s, None, qw, sw)
     """
     _check(x, eps)
+    return _launch(x, eps)
+
+
+def _launch(x: torch.Tensor, eps: float = DEFAULT_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``_quantize_per_token_kernel`` (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
