@@ -13,6 +13,7 @@ or ``quantkit.quantize(model, example_inputs, calib_batches)`` for all four.
 from ._api import quantize
 from ._calibrate import calibrate
 from ._capture import capture
+from ._compile import compile
 from ._convert import convert
 from ._errors import CalibrationError, CaptureError, ConvertError, QuantkitError
 from ._prepare import prepare
@@ -24,6 +25,7 @@ __all__ = [
     "prepare",
     "calibrate",
     "convert",
+    "compile",
     "quantize",
     "QuantkitError",
     "CaptureError",
