@@ -9,7 +9,7 @@ import torch
 
 from quantkit.observers import get as get_observer
 
-__all__ = ["ActivationScheme", "QuantConfig", "QUANTIZABLE_OPS"]
+__all__ = ["ActivationScheme", "Granularity", "QuantConfig", "QUANTIZABLE_OPS"]
 
 # op families W8A8Quantizer knows; "add" (residual adds) is off by default
 QUANTIZABLE_OPS = frozenset({"linear", "conv", "matmul", "add"})
@@ -30,6 +30,15 @@ class ActivationScheme(str, Enum):
         return torch.per_tensor_affine if self is ActivationScheme.AFFINE_UINT8 else torch.per_tensor_symmetric
 
 
+class Granularity(str, Enum):
+    """Which elements share one activation scale."""
+
+    PER_TENSOR = "per-tensor"
+    # one scale per row of the last dimension (per token); dynamic only, since the
+    # scales of tokens not seen in calibration cannot be known ahead of time
+    PER_TOKEN = "per-token"
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """Static (or dynamic) W8A8 quantization settings.
@@ -42,6 +51,9 @@ class QuantConfig:
         weight_observer: registered observer name for weights; weights are symmetric
             int8, per output channel when the observer is a per-channel one.
         dynamic: quantize activations at run time instead of calibrating them.
+        granularity: ``"per-tensor"`` (default) or ``"per-token"`` (dynamic, symmetric
+            int8 only): each token gets its own scale, which keeps outlier tokens
+            (e.g. a transformer's [CLS]/[SEP]) from costing every other token precision.
         ops: op families to quantize: any of ``"linear"``, ``"conv"``, ``"matmul"``
             (matmul/bmm, e.g. attention) and ``"add"`` (residual adds).
 
@@ -53,6 +65,7 @@ class QuantConfig:
     act_observer: str = "minmax"
     weight_observer: str = "per_channel_minmax"
     dynamic: bool = False
+    granularity: Granularity | str = Granularity.PER_TENSOR
     ops: frozenset = field(default_factory=lambda: frozenset({"linear", "conv", "matmul"}))
 
     def __post_init__(self) -> None:
@@ -68,6 +81,20 @@ class QuantConfig:
         object.__setattr__(self, "activation", act)
         if not isinstance(self.dynamic, bool):
             raise ValueError(f"dynamic must be True or False, got {self.dynamic!r}")
+        try:
+            granularity = Granularity(self.granularity)
+        except ValueError:
+            raise ValueError(
+                f"unknown granularity {self.granularity!r}; use one of {[g.value for g in Granularity]}"
+            ) from None
+        object.__setattr__(self, "granularity", granularity)
+        if granularity is Granularity.PER_TOKEN:
+            if not self.dynamic:
+                raise ValueError("per-token activation quantization is dynamic; pass dynamic=True")
+            if act is not ActivationScheme.SYMMETRIC_INT8:
+                raise ValueError(
+                    f"per-token activations are symmetric int8; got activation={act.value!r}, use 'symmetric-int8'"
+                )
         ops = frozenset([self.ops] if isinstance(self.ops, str) else self.ops)
         unknown = ops - QUANTIZABLE_OPS
         if unknown:

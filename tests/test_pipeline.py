@@ -250,3 +250,28 @@ def test_prepare_leaves_the_captured_graph_untouched():
     assert [(n.name, n.target) for n in gm.graph.nodes] == before
     assert not any("quantization_annotation" in n.meta for n in gm.graph.nodes)
     assert a is not gm and b is not gm
+
+
+def test_dynamic_per_token_variant():
+    model, x = make_transformer()
+    cfg = QuantConfig(dynamic=True, granularity="per-token")
+    qmodel = quantkit.quantize(model, (x[:4],), [(x[:4],)], W8A8Quantizer(cfg), progress=False)
+    c = _counts(qmodel)
+    # 4 linears + 2 attention matmuls (2 inputs each): 8 per-token quantized activations
+    assert c["choose_qparams_per_token.default"] == 8
+    assert c["quantize_per_token.default"] == 8 and c["dequantize_per_token.default"] == 8
+    assert c["dequantize_per_channel.default"] == 4
+    per_tensor = quantkit.quantize(model, (x[:4],), [(x[:4],)], W8A8Quantizer(dynamic=True), progress=False)
+    with torch.no_grad():
+        ref = model(x)
+        db_token, db_tensor = sqnr(ref, qmodel(x)), sqnr(ref, per_tensor(x))
+    assert db_token >= 35 and db_token > db_tensor, (db_token, db_tensor)
+
+
+def test_per_token_config_validation():
+    with pytest.raises(ValueError, match="per-token activation quantization is dynamic"):
+        QuantConfig(granularity="per-token")
+    with pytest.raises(ValueError, match="per-token activations are symmetric int8"):
+        QuantConfig(dynamic=True, granularity="per-token", activation="affine-uint8")
+    with pytest.raises(ValueError, match="unknown granularity"):
+        QuantConfig(granularity="per-row")
