@@ -99,5 +99,10 @@ class _Frozen(torch.nn.Module):
         return self.compiled._orig_mod
 
     def forward(self, *args, **kwargs):
+        # Inductor's frozen graphs may write a residual add into the graph input's buffer
+        # (measured, torch 2.13: the transformer block's x, for torchao's PT2E flow too), which
+        # would change the caller's tensor; a copy costs one pass over the activations.
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         with torch._inductor.config.patch(freezing=True), torch.no_grad():
             return self.compiled(*args, **kwargs)
