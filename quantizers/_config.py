@@ -16,18 +16,34 @@ QUANTIZABLE_OPS = frozenset({"linear", "conv", "matmul", "add"})
 
 
 class ActivationScheme(str, Enum):
-    """How activations are quantized (per tensor)."""
+    """How activations are quantized (per tensor).
+
+    ``AFFINE_UINT7`` is affine uint8 restricted to 0..127 (FBGEMM's ``reduce_range``): on x86
+    CPUs without VNNI, oneDNN's int8 GEMM adds pairs of u8*s8 products into a saturating
+    int16, and 2 * 127 * 128 = 32512 fits where 2 * 255 * 128 does not. It costs one bit of
+    activation resolution and lets ``quantkit.compile`` run oneDNN exactly on those CPUs.
+    """
 
     AFFINE_UINT8 = "affine-uint8"
     SYMMETRIC_INT8 = "symmetric-int8"
+    AFFINE_UINT7 = "affine-uint7"
 
     @property
     def dtype(self) -> torch.dtype:
-        return torch.uint8 if self is ActivationScheme.AFFINE_UINT8 else torch.int8
+        return torch.int8 if self is ActivationScheme.SYMMETRIC_INT8 else torch.uint8
 
     @property
     def qscheme(self) -> torch.qscheme:
-        return torch.per_tensor_affine if self is ActivationScheme.AFFINE_UINT8 else torch.per_tensor_symmetric
+        return torch.per_tensor_symmetric if self is ActivationScheme.SYMMETRIC_INT8 else torch.per_tensor_affine
+
+    @property
+    def qrange(self) -> tuple[int, int]:
+        """``(quant_min, quant_max)`` of the stored integers."""
+        return {
+            ActivationScheme.AFFINE_UINT8: (0, 255),
+            ActivationScheme.SYMMETRIC_INT8: (-128, 127),
+            ActivationScheme.AFFINE_UINT7: (0, 127),
+        }[self]
 
 
 class Granularity(str, Enum):
@@ -44,8 +60,9 @@ class QuantConfig:
     """Static (or dynamic) W8A8 quantization settings.
 
     Args:
-        activation: ``"affine-uint8"`` (default for static) or ``"symmetric-int8"``
-            (default for dynamic).
+        activation: ``"affine-uint8"`` (default for static), ``"symmetric-int8"``
+            (default for dynamic) or ``"affine-uint7"`` (uint8 in 0..127, for oneDNN on
+            x86 CPUs without VNNI; see :class:`ActivationScheme`).
         act_observer: registered observer name for activations (``"minmax"``, ...).
             Ignored when ``dynamic`` (qparams are chosen at run time).
         weight_observer: registered observer name for weights; weights are symmetric

@@ -132,7 +132,7 @@ class W8A8Quantizer(Quantizer):
     @staticmethod
     def act_spec(config: QuantConfig) -> QuantizationSpec:
         scheme = config.activation
-        lo, hi = (0, 255) if scheme.dtype == torch.uint8 else (-128, 127)
+        lo, hi = scheme.qrange
         ctor = get_observer("placeholder" if config.dynamic else config.act_observer)
         if config.granularity is Granularity.PER_TOKEN:
             ctor = ctor.with_args(per_token=True)

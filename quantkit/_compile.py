@@ -9,12 +9,13 @@ import torch
 from torch.fx import GraphModule
 
 from ._lowering import Target, lower
-from ._lowering._onednn import exact_on_this_cpu
+from ._lowering._onednn import exact_for_graph
 
 __all__ = ["compile", "CPU_KERNELS", "LOWERING_META_KEY"]
 
 LOWERING_META_KEY = "quantkit_lowering"
-# "auto": oneDNN int8 where it is exact (VNNI/AMX CPUs), else the reference q/dq graph
+# "auto": oneDNN int8 where it is exact (VNNI/AMX CPUs, or 7-bit activations: see
+# _onednn.exact_for_graph), else the reference q/dq graph
 CPU_KERNELS = ("auto", "onednn", "reference")
 
 
@@ -36,10 +37,13 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", **torch_compil
 
     Args:
         converted: the GraphModule returned by ``quantkit.convert``.
-        cpu_kernels: ``"auto"`` uses oneDNN int8 on CPUs where its int32 accumulation is exact
-            (VNNI / AMX) and otherwise compiles the reference q/dq graph; ``"onednn"`` forces
-            oneDNN (on AVX2-only CPUs its int16 intermediate sums saturate: fast, not exact);
-            ``"reference"`` never rewrites. Ignored on CUDA.
+        cpu_kernels: ``"auto"`` uses oneDNN int8 where it is exact -- on VNNI / AMX CPUs, or
+            on any x86 CPU when every linear/conv activation is 7-bit
+            (``QuantConfig(activation="affine-uint7")``) -- and otherwise compiles the
+            reference q/dq graph (also for a graph mixing 7-bit and 8-bit activations);
+            ``"onednn"`` forces oneDNN (on AVX2-only CPUs with 8-bit activations its int16
+            intermediate sums saturate: fast, not exact); ``"reference"`` never rewrites.
+            Ignored on CUDA.
         **torch_compile_kwargs: passed to ``torch.compile`` (``dynamic``, ``fullgraph``,
             ``options``, ...). With oneDNN, calls run with Inductor ``freezing=True`` and no grad.
 
@@ -58,10 +62,14 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", **torch_compil
         raise ValueError(f"unknown cpu_kernels {cpu_kernels!r}; use one of {list(CPU_KERNELS)}")
     if _device_type(converted) == "cuda":
         target = Target.TRITON
-    elif cpu_kernels == "onednn" or (cpu_kernels == "auto" and exact_on_this_cpu()):
+    elif cpu_kernels == "onednn" or (cpu_kernels == "auto" and exact_for_graph(converted)):
         target = Target.ONEDNN
-        if not exact_on_this_cpu():
-            warnings.warn("oneDNN int8 on a CPU without VNNI saturates int16 sums; results are not exact", stacklevel=2)
+        if not exact_for_graph(converted):
+            warnings.warn(
+                "oneDNN int8 on a CPU without VNNI saturates int16 sums with 8-bit activations; results "
+                "are not exact (quantize with QuantConfig(activation='affine-uint7') to make them exact)",
+                stacklevel=2,
+            )
     else:
         target = None
     gm = copy.deepcopy(converted)
@@ -91,5 +99,10 @@ class _Frozen(torch.nn.Module):
         return self.compiled._orig_mod
 
     def forward(self, *args, **kwargs):
+        # Inductor's frozen graphs may write a residual add into the graph input's buffer
+        # (measured, torch 2.13: the transformer block's x, for torchao's PT2E flow too), which
+        # would change the caller's tensor; a copy costs one pass over the activations.
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         with torch._inductor.config.patch(freezing=True), torch.no_grad():
             return self.compiled(*args, **kwargs)

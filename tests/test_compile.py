@@ -35,6 +35,7 @@ def _dq_fed(gm, targets):
 
 QUANTIZERS = {
     "static": lambda: W8A8Quantizer(),
+    "uint7": lambda: W8A8Quantizer(QuantConfig(activation="affine-uint7")),
     "symmetric": lambda: W8A8Quantizer(QuantConfig(activation="symmetric-int8")),
     "dynamic": lambda: W8A8Quantizer(dynamic=True),
 }
@@ -49,8 +50,11 @@ def test_triton_lowering_mlp_fuses_relu_and_requant(scheme):
     assert _dq_fed(gm, {aten.linear.default}) == [] and _count(gm, Q.dequantize_per_channel.default) == 0
     ops = [n for n in gm.graph.nodes if n.target == torch.ops.quantkit.int8_linear.default]
     assert [n.args[6] for n in ops] == ["relu", "relu", "none"]
-    if scheme != "dynamic":  # static: the next layer's quantize is fused into fc1 and fc2
-        act = torch.uint8 if scheme == "static" else torch.int8
+    if scheme == "uint7":  # the Triton epilogue clamps to the full dtype range: no 0..127 requant fusion
+        assert [n.args[7] for n in ops] == [torch.float32] * 3
+        assert _count(gm, Q.quantize_per_tensor.default) == 3
+    elif scheme != "dynamic":  # static: the next layer's quantize is fused into fc1 and fc2
+        act = torch.int8 if scheme == "symmetric" else torch.uint8
         assert [n.args[7] for n in ops] == [act, act, torch.float32]
         assert _count(gm, Q.quantize_per_tensor.default) == 1  # only the model input's
         assert _count(gm, aten.relu.default) == 0
@@ -99,6 +103,49 @@ def test_compile_cpu_onednn_rewrites_every_linear():
         ref = c(x)
     assert sqnr(ref, y) > 40, f"compiled vs reference SQNR {sqnr(ref, y):.1f} dB"
     assert any(n.target in _DQ for n in c.graph.nodes)  # the user's model is left as it was
+
+
+@pytest.fixture
+def no_vnni(monkeypatch):
+    """Make ``auto`` decide as on an AVX2-only CPU, so the tests below mean the same everywhere."""
+    monkeypatch.setattr(quantkit._lowering._onednn, "exact_on_this_cpu", lambda: False)
+
+
+def test_exact_for_graph_needs_every_onednn_activation_in_0_127(no_vnni):
+    exact = quantkit._lowering._onednn.exact_for_graph
+    seven = QuantConfig(activation="affine-uint7")
+    assert exact(_converted(make_mlp, W8A8Quantizer(seven))[0])
+    assert not exact(_converted(make_mlp, W8A8Quantizer())[0])
+    assert not exact(_converted(make_mlp, QUANTIZERS["symmetric"]())[0])  # int8 is shifted to 0..255
+    mixed = W8A8Quantizer(seven).set_module_name("fc3", QuantConfig())
+    assert not exact(_converted(make_mlp, mixed)[0])  # one 8-bit layer: the whole graph stays reference
+
+
+@pytest.mark.parametrize("bits", [7, 8])
+def test_compile_auto_takes_onednn_for_uint7_activations(no_vnni, bits):
+    quantizer = QUANTIZERS["uint7" if bits == 7 else "static"]()
+    c, x = _converted(make_mlp, quantizer)
+    torch._dynamo.utils.counters.clear()
+    fast = quantkit.compile(c)  # cpu_kernels="auto"
+    # inputs past the calibrated range: a fused requantize must still clamp to 0..127
+    x = torch.cat([x, 3 * x])
+    y = fast(x)
+    prepacked = torch._dynamo.utils.counters["inductor"]["qlinear_weight_prepack_matcher_count"]
+    with torch.no_grad():
+        ref = c(x)
+    if bits == 8:  # 8-bit activations would saturate without VNNI: reference path, nothing rewritten
+        assert prepacked == 0 and fast._orig_mod.meta["quantkit_lowering"] == {}
+        return
+    assert prepacked == 3 and isinstance(fast, quantkit._compile._Frozen)
+    # calibrated range: int32-exact GEMMs, only float rounding in the epilogues (measured 1.6e-7)
+    n = len(x) // 2
+    rel = float((y[:n] - ref[:n]).norm() / ref[:n].norm())
+    assert rel < 1e-5, f"oneDNN (7-bit) vs reference relative error {rel:.2e}"
+    # past it: values clamp at 127; oneDNN's fp32 epilogue rounds differently from the float
+    # GEMM of the reference, flipping a few quantized values by 1 LSB (measured 3.3e-4).
+    # Without the explicit clamp (requantize fused to 0..255) this is 0.3.
+    rel = float((y[n:] - ref[n:]).norm() / ref[n:].norm())
+    assert rel < 2e-3, f"oneDNN (7-bit) vs reference relative error past the calibrated range {rel:.2e}"
 
 
 def test_compile_reference_path_matches_reference():

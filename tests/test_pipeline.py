@@ -162,6 +162,20 @@ def test_symmetric_int8_activations():
         assert sqnr(model(x), qmodel(x)) >= 30
 
 
+def test_uint7_activations():
+    # reduced-range activations (for oneDNN on CPUs without VNNI): every q/dq carries 0..127
+    model, x = make_mlp()
+    q = W8A8Quantizer(QuantConfig(activation="affine-uint7"))
+    qmodel = quantkit.quantize(model, (x[:8],), _calib(x), q, progress=False)
+    act = [n for n in qmodel.graph.nodes if n.target in (Q.quantize_per_tensor.default, Q.dequantize_per_tensor.default)]
+    assert len(act) == 6  # a quantize and a dequantize in front of each of the 3 linears
+    assert {tuple(n.args[3:6]) for n in act} == {(0, 127, torch.uint8)}
+    assert all(0 <= n.args[2] <= 127 for n in act)
+    with torch.no_grad():
+        db = sqnr(model(x), qmodel(x))
+    assert db >= 30, f"uint7 activations: SQNR {db:.1f} dB < 30 dB"
+
+
 def test_dynamic_variant():
     model, x = make_mlp()
     qmodel = quantkit.quantize(model, (x[:8],), [(x[:8],)], W8A8Quantizer(dynamic=True), progress=False)

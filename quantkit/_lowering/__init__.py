@@ -36,12 +36,15 @@ def lower(gm: GraphModule, target: Target | str) -> dict[str, int]:
     Triton target: ``linear(dq(x), dq(w_int8), bias)`` with an optional following relu/gelu
     and quantize (requantized output), static or dynamic, becomes ``quantkit.int8_linear``;
     ``matmul(dq(a), dq(b))`` of two quantized activations (attention) ``quantkit.int8_bmm``.
-    oneDNN target: int8 activations become uint8 (see ``_onednn``); Inductor's freezing
-    patterns then do the rewrite. Anything else keeps its reference quantize/dequantize ops.
+    oneDNN target: int8 activations become uint8 and reduced-range quantizes get an explicit
+    clamp (see ``_onednn``); Inductor's freezing patterns then do the rewrite. Anything else keeps its reference quantize/dequantize ops.
     """
     target = Target(target)
     if target is Target.ONEDNN:
-        counts = {"int8_to_uint8": _onednn.int8_activations_to_uint8(gm)}
+        counts = {
+            "int8_to_uint8": _onednn.int8_activations_to_uint8(gm),
+            "reduced_range_clamps": _onednn.clamp_reduced_range_quantizes(gm),
+        }
         gm.graph.eliminate_dead_code()
         gm.recompile()
         return counts
