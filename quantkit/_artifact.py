@@ -189,7 +189,8 @@ def _is_artifact_or_empty(path: Path) -> bool:
     return not any(path.iterdir()) or (path / RECIPE_FILE).is_file()
 
 
-def check_out_dir(path: str | os.PathLike, *, overwrite: bool, flag: str = "overwrite=True") -> Path:
+def check_out_dir(path: str | os.PathLike, *, overwrite: bool, flag: str = "overwrite=True",
+                  exists_error: type[QuantkitError] = QuantkitError) -> Path:
     """Check that ``path`` can be (re)written; returns it as a Path.
 
     Raises:
@@ -201,7 +202,7 @@ def check_out_dir(path: str | os.PathLike, *, overwrite: bool, flag: str = "over
         if not path.is_dir() or path.is_symlink():
             raise QuantkitError(f"output {str(path)!r} exists and is not a directory; choose another output path")
         if not overwrite:
-            raise QuantkitError(f"output directory {str(path)!r} already exists; pass {flag} to replace it")
+            raise exists_error(f"output directory {str(path)!r} already exists; pass {flag} to replace it")
         if not _is_artifact_or_empty(path):
             raise QuantkitError(
                 f"output directory {str(path)!r} is not empty and holds no {RECIPE_FILE}; "

@@ -106,8 +106,8 @@ def _check(args, recipe: Recipe):
     if recipe.scheme is Scheme.W8A8_DYNAMIC and args.observer is not None:
         raise inputs.UsageError("--observer has no effect with --scheme w8a8-dynamic (activation ranges are "
                                 "chosen at run time); drop it")
-    out = _artifact.check_out_dir(args.out, overwrite=args.force, flag="--force")
-    inputs.check_not_input(out, spec.input_paths() + ([Path(data.path)] if data.path else []))
+    inputs.check_not_input(Path(args.out), spec.input_paths() + ([Path(data.path)] if data.path else []))
+    out = _artifact.check_out_dir(args.out, overwrite=args.force, flag="--force", exists_error=inputs.UsageError)
     spec.check()
     if data.kind == "default" and not spec.is_hf:
         raise inputs.UsageError("a factory model needs --calib DIR (a directory of .pt/.npy/.safetensors tensors)")

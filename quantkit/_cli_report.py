@@ -67,7 +67,7 @@ def outputs_of(model, batches: list, *, progress: bool, desc: str, timing: dict 
     rows, times, n = [], [], 0
     with torch.no_grad():
         if timing is not None:
-            call_model(model, batches[0])
+            call_model(model, _head(batches[0], 1))  # warm-up (allocator, lazy init), not timed
         for b in tqdm(batches, desc=desc, unit="batch", disable=not progress, leave=False):
             t0 = time.perf_counter()
             out = call_model(model, b)
