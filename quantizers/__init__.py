@@ -17,6 +17,7 @@ from torchao.quantization.pt2e.quantizer import (
 )
 
 from ._config import QUANTIZABLE_OPS, ActivationScheme, Granularity, QuantConfig
+from ._embedding import EmbeddingQuantizer
 from ._w8a8 import W8A8Quantizer
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "QuantizationAnnotation",
     "EdgeOrNode",
     "W8A8Quantizer",
+    "EmbeddingQuantizer",
     "QuantConfig",
     "ActivationScheme",
     "Granularity",

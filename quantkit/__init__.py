@@ -7,10 +7,14 @@ The flow::
     quantkit.calibrate(prepared, calib_batches)          # observe ranges
     qmodel = quantkit.convert(prepared)                   # quantize/dequantize + int8 weights
 
-or ``quantkit.quantize(model, example_inputs, calib_batches)`` for all four.
+or ``quantkit.quantize(model, example_inputs, calib_batches)`` for all four;
+``quantkit.save(qmodel, dir)`` / ``quantkit.load(dir)`` write and read a deployable
+int8 directory (the ``quantkit`` command line does it all from a checkpoint).
 """
 
+from . import _quiet  # noqa: F401  (first: imports torchao without its import-time log noise)
 from ._api import quantize
+from ._artifact import load, save
 from ._calibrate import calibrate
 from ._capture import capture
 from ._compile import compile
@@ -27,6 +31,8 @@ __all__ = [
     "convert",
     "compile",
     "quantize",
+    "save",
+    "load",
     "QuantkitError",
     "CaptureError",
     "CalibrationError",

@@ -17,14 +17,18 @@ __all__ = [
     "default_model_path",
     "default_calibration_file",
     "load_hf_model",
+    "check_hf_dir",
+    "check_safetensors",
+    "WEIGHT_FILES",
     "read_sentences",
     "tokenize",
+    "dynamic_shapes",
     "embed",
     "cosine",
     "SentenceEmbedder",
 ]
 
-_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 def default_model_path() -> Path:
@@ -45,30 +49,27 @@ def default_calibration_file() -> Path:
     return Path(calibration_data.__file__).parent / "sentences.txt"
 
 
-def load_hf_model(path: str | os.PathLike):
+def load_hf_model(path: str | os.PathLike, *, progress: bool = True):
     """Load an HF model directory offline; returns ``(model, tokenizer)`` (tokenizer may be None).
+
+    Args:
+        path: a directory with config.json and model.safetensors or pytorch_model.bin.
+        progress: show transformers' weight-loading progress bar.
 
     Raises:
         QuantkitError: a missing directory, no config.json, no weights, or weights that
             cannot be read — each with a one-line message.
     """
     path = Path(path)
-    if not path.exists():
-        raise QuantkitError(f"model path {str(path)!r} does not exist; pass an HF model directory")
-    if not path.is_dir():
-        raise QuantkitError(f"model path {str(path)!r} is not a directory; pass an HF model directory")
-    if not (path / "config.json").is_file():
-        raise QuantkitError(f"{str(path)!r} has no config.json; it is not a Hugging Face model directory")
-    weights = [p for p in path.iterdir() if p.name in _WEIGHT_FILES or p.suffix == ".safetensors"]
-    if not weights:
-        raise QuantkitError(f"{str(path)!r} has no model.safetensors or pytorch_model.bin weights")
-    for w in weights:
-        if w.suffix == ".safetensors":
-            _check_safetensors(w)
+    check_hf_dir(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
 
     transformers.logging.set_verbosity_error()
+    if progress:
+        transformers.utils.logging.enable_progress_bar()
+    else:
+        transformers.utils.logging.disable_progress_bar()
     try:
         model = transformers.AutoModel.from_pretrained(path, local_files_only=True).eval()
     except Exception as exc:  # transformers raises many types
@@ -81,7 +82,31 @@ def load_hf_model(path: str | os.PathLike):
     return model, tokenizer
 
 
-def _check_safetensors(path: Path) -> None:
+def check_hf_dir(path: str | os.PathLike) -> None:
+    """Cheap checks of an HF model directory, without loading it.
+
+    Raises:
+        QuantkitError: a missing directory, no config.json, no weights, or a safetensors
+            file whose header or first tensor cannot be read — each with a one-line message.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise QuantkitError(f"model path {str(path)!r} does not exist; pass an HF model directory")
+    if not path.is_dir():
+        raise QuantkitError(f"model path {str(path)!r} is not a directory; pass an HF model directory")
+    if not (path / "config.json").is_file():
+        raise QuantkitError(f"{str(path)!r} has no config.json; it is not a Hugging Face model directory")
+    weights = [p for p in path.iterdir() if p.name in WEIGHT_FILES or p.suffix == ".safetensors"]
+    if not weights:
+        raise QuantkitError(f"{str(path)!r} has no model.safetensors or pytorch_model.bin weights")
+    for w in weights:
+        if w.suffix == ".safetensors":
+            check_safetensors(w)
+
+
+def check_safetensors(path: str | os.PathLike) -> None:
+    """Raise a one-line QuantkitError if ``path`` is not a readable safetensors file."""
+    path = Path(path)
     from safetensors import safe_open
 
     try:
@@ -116,21 +141,35 @@ def read_sentences(path: str | os.PathLike) -> list[str]:
     return lines
 
 
-def tokenize(tokenizer, sentences: list[str], *, seq_len: int = 128, batch_size: int = 32) -> list[dict]:
-    """Tokenize into batches of dicts padded (and truncated) to ``seq_len`` tokens.
+def tokenize(tokenizer, sentences: list[str], *, seq_len: int = 128, batch_size: int = 32,
+             padding: str = "max_length") -> list[dict]:
+    """Tokenize into batches of dicts truncated to ``seq_len`` tokens.
 
-    A fixed sequence length keeps every batch compatible with one captured graph.
+    Args:
+        padding: ``"max_length"`` pads every batch to ``seq_len`` (a fixed sequence length
+            keeps every batch compatible with a graph captured with a static length);
+            ``"longest"`` pads each batch to its longest sentence (for a graph captured
+            with a dynamic sequence dimension, see :func:`dynamic_shapes`).
     """
+    if padding not in ("max_length", "longest"):
+        raise ValueError(f"padding must be 'max_length' or 'longest', got {padding!r}")
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2, got {seq_len}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     batches = []
     for i in range(0, len(sentences), batch_size):
-        enc = tokenizer(sentences[i:i + batch_size], padding="max_length", truncation=True,
+        enc = tokenizer(sentences[i:i + batch_size], padding=padding, truncation=True,
                         max_length=seq_len, return_tensors="pt")
         batches.append(dict(enc))
     return batches
+
+
+def dynamic_shapes(batch: dict) -> dict:
+    """``torch.export`` dynamic shapes for a tokenized batch: batch size and sequence length both vary."""
+    from torch.export import Dim
+
+    return {k: ({0: Dim.AUTO, 1: Dim.AUTO} if v.dim() == 2 else {0: Dim.AUTO}) for k, v in batch.items()}
 
 
 def embed(output, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,398 @@
+"""The quantkit command line: the default model end to end, factory models, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import quantkit
+from quantkit import _hf
+from quantkit.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+# issue 5: the default quantize must finish in under 3 minutes on this machine
+DEFAULT_QUANTIZE_BUDGET_S = 180
+# issue 5: mean embedding cosine on the held-out split, and artifact ≤ 0.3× fp32 safetensors
+MIN_MEAN_COSINE = 0.99
+MAX_SIZE_RATIO = 0.3
+
+
+def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-c", "import sys; from quantkit.cli import main; sys.exit(main())", *args],
+                          capture_output=True, text=True, cwd=cwd, env=env)
+
+
+def _error_line(stderr: str) -> str:
+    """The one error line; progress bars (\\r-separated) before it are not errors."""
+    lines = [ln for ln in stderr.split("\n") if ln.strip()]
+    assert len(lines) == 1, f"expected one stderr line, got {lines!r}"
+    assert "Traceback" not in stderr
+    line = lines[0].split("\r")[-1]
+    assert line.startswith("quantkit: error: "), line
+    return line
+
+
+def _no_leftovers(out: Path) -> None:
+    assert not out.exists(), f"{out} was left behind"
+    if out.parent.exists():
+        assert not [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")], "temporary dir left"
+
+
+# --- the bundled default model, quantized once for the module --------------------------
+
+@pytest.fixture(scope="module")
+def default_artifact(tmp_path_factory):
+    out = tmp_path_factory.mktemp("default") / "minilm-int8"
+    t0 = time.perf_counter()
+    proc = subprocess.run(["quantkit", "quantize", "--out", str(out), "--quiet"],
+                          capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", f"stderr should stay clean: {proc.stderr!r}"
+    return out, elapsed
+
+
+@pytest.mark.slow
+def test_default_quantize_artifact(default_artifact):
+    out, elapsed = default_artifact
+    assert elapsed < DEFAULT_QUANTIZE_BUDGET_S, f"quantize took {elapsed:.0f} s"
+    for name in ("model.pt2", "quantization.json", "report.md", "report.json", "tokenizer"):
+        assert (out / name).exists(), name
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["metric"]["mean_cosine"] >= MIN_MEAN_COSINE, rep["metric"]
+    assert rep["data"]["heldout_samples"] == 80 and rep["data"]["calibration_samples"] == 320
+    assert not rep["data"]["heldout_is_calibration"]
+    fp32 = (_hf.default_model_path() / "model.safetensors").stat().st_size
+    assert rep["size"]["float_bytes"] == fp32
+    ratio = (out / "model.pt2").stat().st_size / fp32
+    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) / fp32
+    assert ratio <= MAX_SIZE_RATIO and total <= MAX_SIZE_RATIO, (ratio, total)
+    # every linear and embedding of the encoder is int8 with a per-layer SQNR
+    layers = {r["layer"]: r for r in rep["layers"]}
+    assert len([n for n in layers if n.startswith("encoder.layer.")]) == 6 * 6
+    assert all(r["weight"].startswith("int8") for r in layers.values())
+    assert all(r["sqnr_db"] > 10 for r in layers.values()), layers
+    doc = json.loads((out / "quantization.json").read_text())
+    assert doc["recipe"] == {"scheme": "w8a8", "observer": "minmax", "weight_observer": "per_channel_minmax", "skip": []}
+    assert {"quantkit", "torch", "torchao"} <= set(doc["versions"])
+    weights = [t for t in doc["tensors"] if t["kind"] == "weight"]
+    assert len(weights) == len(layers)
+    word = next(t for t in weights if t["node"].startswith("embeddings_word_embeddings"))
+    assert len(word["scale"]) == 30522 and set(word["zero_point"]) == {0}  # one scale per row, symmetric
+    md = (out / "report.md").read_text()
+    assert "embedding cosine" in md and "encoder.layer.5.output.dense" in md
+
+
+@pytest.mark.slow
+def test_default_artifact_loads_with_torch_export_only(default_artifact):
+    """model.pt2 loads with torch.export.load after `import quantkit` alone (no transformers), holds
+    int8 weights and no fp32 copy of them, and takes other batch sizes and sequence lengths."""
+    out, _ = default_artifact
+    script = f"""
+import sys, torch, quantkit
+ep = torch.export.load({str(out / 'model.pt2')!r})
+assert "transformers" not in sys.modules
+tensors = list(ep.state_dict.values()) + list(ep.constants.values())
+by = {{}}
+for t in tensors:
+    by[t.dtype] = by.get(t.dtype, 0) + t.numel() * t.element_size()
+big_float = [tuple(t.shape) for t in tensors if t.is_floating_point() and t.dim() == 2 and t.numel() >= 384 * 384]
+assert not big_float, big_float
+assert by[torch.int8] > 20 * by[torch.float32], by
+ids = torch.randint(1000, 2000, (3, 11))
+out = ep.module()(input_ids=ids, token_type_ids=torch.zeros_like(ids), attention_mask=torch.ones_like(ids))
+assert type(out) is dict and out["last_hidden_state"].shape == (3, 11, 384), type(out)
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    assert proc.stderr == "", proc.stderr  # import quantkit keeps torchao's import noise off stderr
+
+
+@pytest.mark.slow
+def test_default_eval_and_inspect(default_artifact, capsys):
+    out, _ = default_artifact
+    # one batch for the 80 held-out samples: the q/dq reference graph dequantizes every weight per call
+    assert main(["eval", str(out), "--json", "--quiet", "--batch-size", "80"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    rep = json.loads((out / "report.json").read_text())
+    assert res["data"] == "held-out split" and res["metric"]["samples"] == 80
+    assert res["metric"]["mean_cosine"] >= MIN_MEAN_COSINE, res["metric"]
+    # the saved program reproduces what quantize measured on the in-memory model
+    assert res["metric"]["mean_cosine"] == pytest.approx(rep["metric"]["mean_cosine"], abs=1e-4)
+    for key in ("float", "int8 (q/dq reference)"):
+        assert res["latency"][key]["median_ms_per_batch"] > 0
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "encoder.layer.0.attention.self.query" in text and "embedding cosine mean" in text
+    assert "scheme=w8a8" in text
+
+
+# --- factory models: small and fast ------------------------------------------------------
+
+@pytest.fixture
+def mlp_inputs(tmp_path):
+    from safetensors.torch import save_file
+
+    from tests.cli_factories import mlp
+
+    torch.manual_seed(1)
+    weights = tmp_path / "mlp.safetensors"
+    save_file(mlp().state_dict(), str(weights))
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    for i in range(3):
+        torch.save(torch.randn(16, 64, generator=gen), calib / f"b{i}.pt")
+    import numpy as np
+
+    np.save(calib / "c.npy", torch.randn(8, 64, generator=gen).numpy())
+    torch.save(torch.randn(64, generator=gen), calib / "single.pt")  # one sample, no batch dim
+    return weights, calib
+
+
+def _factory_args(weights, calib, out, *extra):
+    return ["quantize", "tests.cli_factories:mlp", "--weights", str(weights), "--example-input", "8x64:float32",
+            "--calib", str(calib), "--out", str(out), "--quiet", *extra]
+
+
+def test_factory_quantize_eval_inspect(mlp_inputs, tmp_path, capsys):
+    weights, calib = mlp_inputs
+    out = tmp_path / "mlp-int8"
+    assert main(_factory_args(weights, calib, out)) == 0
+    rep = json.loads((out / "report.json").read_text())
+    # 57 samples: 11 held out (20%), 46 calibrate
+    assert rep["data"]["heldout_samples"] == 11 and rep["data"]["calibration_samples"] == 46
+    assert rep["metric"]["name"] == "output cosine" and rep["metric"]["mean_cosine"] > 0.999, rep["metric"]
+    assert rep["metric"]["sqnr_db"] > 25, rep["metric"]
+    assert [r["layer"] for r in rep["layers"]] == ["fc1", "fc2", "fc3"]
+    src = json.loads((out / "quantization.json").read_text())["source"]["model"]
+    assert src == {"kind": "factory", "factory": "tests.cli_factories:mlp", "weights": str(weights),
+                   "example_input": "8x64:float32"}
+
+    # eval rebuilds the float model from the recorded factory + weights (not from the artifact)
+    capsys.readouterr()
+    assert main(["eval", str(out), "--json", "--quiet"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["metric"]["mean_cosine"] == pytest.approx(rep["metric"]["mean_cosine"], abs=1e-6)
+    # ... and on other data
+    other = tmp_path / "other"
+    other.mkdir()
+    torch.save(torch.randn(5, 64), other / "x.pt")
+    assert main(["eval", str(out), "--data", str(other), "--json", "--quiet"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["data"] == "given data" and res["metric"]["samples"] == 5
+
+    assert main(["inspect", str(out)]) == 0
+    assert "fc2" in capsys.readouterr().out
+
+
+def test_force_replaces_an_artifact_and_keeps_it_on_failure(mlp_inputs, tmp_path, capsys):
+    weights, calib = mlp_inputs
+    out = tmp_path / "mlp-int8"
+    assert main(_factory_args(weights, calib, out)) == 0
+    (out / "marker").write_text("old")
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n\n")
+    # a failing --force run leaves the old artifact as it was
+    assert main(_factory_args(weights, blank, out, "--force")) == 1
+    assert (out / "marker").exists()
+    assert main(_factory_args(weights, calib, out, "--force", "--skip", "fc3")) == 0
+    assert not (out / "marker").exists()
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["recipe"]["skip"] == ["fc3"]
+    assert [r["weight"] for r in rep["layers"]][-1] == "float"
+    _no_leftovers(tmp_path / "nothing")
+    capsys.readouterr()
+
+
+def test_force_refuses_a_directory_that_is_not_an_artifact(mlp_inputs, tmp_path, capsys):
+    weights, calib = mlp_inputs
+    out = tmp_path / "precious"
+    out.mkdir()
+    (out / "thesis.tex").write_text("keep me")
+    assert main(_factory_args(weights, calib, out, "--force")) == 1
+    assert "refusing to replace" in _error_line(capsys.readouterr().err)
+    assert (out / "thesis.tex").read_text() == "keep me"
+
+
+def test_dynamic_scheme(mlp_inputs, tmp_path, capsys):
+    weights, calib = mlp_inputs
+    out = tmp_path / "dyn"
+    assert main(_factory_args(weights, calib, out, "--scheme", "w8a8-dynamic")) == 0
+    doc = json.loads((out / "quantization.json").read_text())
+    assert {t["kind"] for t in doc["tensors"]} == {"weight", "dynamic"}
+    assert json.loads((out / "report.json").read_text())["metric"]["mean_cosine"] > 0.999
+
+
+# --- bad input: one line, non-zero exit, no DIR, nothing big loaded ----------------------
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Bad command lines must fail before any model is loaded."""
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the bad input was noticed")
+
+    monkeypatch.setattr(_hf, "load_hf_model", refuse)
+
+
+def _hf_dir(tmp_path: Path, *, config=True, weights: bytes | None = b"") -> Path:
+    d = tmp_path / "hfmodel"
+    d.mkdir()
+    if config:
+        shutil.copy(_hf.default_model_path() / "config.json", d / "config.json")
+    if weights is not None:
+        (d / "model.safetensors").write_bytes(weights)
+    return d
+
+
+def _truncated_safetensors() -> bytes:
+    return (_hf.default_model_path() / "model.safetensors").read_bytes()[:1 << 20]
+
+
+@pytest.mark.parametrize("case, expect, code", [
+    ("missing-model", "does not exist", 1),
+    ("corrupt-safetensors", "not a valid safetensors file", 1),
+    ("truncated-safetensors", "not a valid safetensors file", 1),
+    ("no-config", "has no config.json", 1),
+    ("empty-calib", "is empty", 1),
+    ("blank-calib", "only blank lines", 1),
+    ("missing-calib", "does not exist", 1),
+    ("unknown-observer", "unknown observer 'nope' for --observer; available: ", 2),
+    ("unknown-weight-observer", "unknown observer 'nope' for --weight-observer", 2),
+    ("out-exists", "already exists; pass --force", 2),
+    ("out-is-input", "would overwrite the input", 2),
+    ("bad-example-input", "is not SHAPE:DTYPE", 2),
+    ("factory-without-example", "needs --example-input", 2),
+    ("bad-scheme", "invalid choice", 2),
+])
+def test_bad_input(case, expect, code, tmp_path, capsys, no_model_loading):
+    out = tmp_path / "out" / "int8"
+    args = ["quantize", "--out", str(out)]
+    if case == "missing-model":
+        args.insert(1, str(tmp_path / "no-such-model"))
+    elif case == "corrupt-safetensors":
+        args.insert(1, str(_hf_dir(tmp_path, weights=b"\x00garbage" * 100)))
+    elif case == "truncated-safetensors":
+        args.insert(1, str(_hf_dir(tmp_path, weights=_truncated_safetensors())))
+    elif case == "no-config":
+        args.insert(1, str(_hf_dir(tmp_path, config=False)))
+    elif case in ("empty-calib", "blank-calib"):
+        f = tmp_path / "calib.txt"
+        f.write_text("" if case == "empty-calib" else "\n   \n\t\n")
+        args += ["--calib", str(f)]
+    elif case == "missing-calib":
+        args += ["--calib", str(tmp_path / "nope.txt")]
+    elif case == "unknown-observer":
+        args += ["--observer", "nope"]
+    elif case == "unknown-weight-observer":
+        args += ["--weight-observer", "nope"]
+    elif case == "out-exists":
+        out.mkdir(parents=True)
+    elif case == "out-is-input":
+        model = _hf_dir(tmp_path)
+        args = ["quantize", str(model), "--out", str(model), "--force"]
+        out = None
+    elif case == "bad-example-input":
+        args = ["quantize", "tests.cli_factories:mlp", "--example-input", "8by64", "--out", str(out)]
+    elif case == "factory-without-example":
+        args = ["quantize", "tests.cli_factories:mlp", "--out", str(out)]
+    elif case == "bad-scheme":
+        args += ["--scheme", "int4"]
+    t0 = time.perf_counter()
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc == code, err
+    assert expect in _error_line(err)
+    assert time.perf_counter() - t0 < 10, "bad input should fail before anything big is loaded"
+    if case == "out-exists":
+        assert out.is_dir() and not any(out.iterdir())  # left exactly as it was
+    elif out is not None:
+        _no_leftovers(out)
+        assert not out.parent.exists(), "parent directories created for DIR were left behind"
+
+
+def test_skip_pattern_matching_nothing(mlp_inputs, tmp_path, capsys):
+    weights, calib = mlp_inputs
+    out = tmp_path / "x"
+    assert main(_factory_args(weights, calib, out, "--skip", "fc9*")) == 1
+    assert "--skip 'fc9*' matches no module" in _error_line(capsys.readouterr().err)
+    _no_leftovers(out)
+
+
+def test_factory_that_cannot_be_exported(mlp_inputs, tmp_path, capsys):
+    _, calib = mlp_inputs
+    out = tmp_path / "dd"
+    rc = main(["quantize", "tests.cli_factories:data_dependent", "--example-input", "8x64:float32",
+               "--calib", str(calib), "--out", str(out), "--quiet"])
+    assert rc == 1
+    line = _error_line(capsys.readouterr().err)
+    assert "torch.export could not capture _DataDependent" in line and "torch.cond" in line
+    _no_leftovers(out)
+
+
+@pytest.mark.parametrize("factory, expect", [
+    ("tests.cli_factories:not_a_module", "not a torch.nn.Module"),
+    ("tests.cli_factories:nothing_here", "has no callable 'nothing_here'"),
+    ("tests.no_such_module:mlp", "could not import 'tests.no_such_module'"),
+])
+def test_bad_factory(factory, expect, mlp_inputs, tmp_path, capsys):
+    _, calib = mlp_inputs
+    out = tmp_path / "bad"
+    assert main(["quantize", factory, "--example-input", "8x64:float32", "--calib", str(calib),
+                 "--out", str(out), "--quiet"]) == 1
+    assert expect in _error_line(capsys.readouterr().err)
+    _no_leftovers(out)
+
+
+def test_calibration_tensors_must_match_example_input(mlp_inputs, tmp_path, capsys):
+    weights, _ = mlp_inputs
+    calib = tmp_path / "wrong"
+    calib.mkdir()
+    torch.save(torch.randn(4, 63), calib / "x.pt")
+    out = tmp_path / "o"
+    assert main(_factory_args(weights, calib, out)) == 1
+    assert "does not match --example-input 8x64:float32" in _error_line(capsys.readouterr().err)
+    _no_leftovers(out)
+
+
+def test_weights_that_do_not_fit(tmp_path, mlp_inputs, capsys):
+    _, calib = mlp_inputs
+    bad = tmp_path / "bad.pt"
+    torch.save({"fc1.weight": torch.zeros(3, 3)}, bad)
+    out = tmp_path / "o"
+    assert main(_factory_args(bad, calib, out)) == 1
+    assert "do not fit 'tests.cli_factories:mlp'" in _error_line(capsys.readouterr().err)
+    _no_leftovers(out)
+
+
+def test_console_script_stderr_is_one_line(tmp_path):
+    """The real executable: no torchao/pytree import noise, exit code 2, one line."""
+    out = tmp_path / "o"
+    proc = subprocess.run(["quantkit", "quantize", "--out", str(out), "--observer", "nope"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    line = _error_line(proc.stderr)
+    assert "unknown observer 'nope'" in line and "minmax" in line
+    _no_leftovers(out)
+
+
+def test_usage():
+    assert main([]) == 2
+    assert main(["--version"]) == 0
+    assert main(["eval"]) == 2  # DIR missing
+
+
+def test_eval_and_inspect_reject_non_artifacts(tmp_path, capsys):
+    for cmd in (["eval", str(tmp_path)], ["inspect", str(tmp_path)], ["eval", str(tmp_path / "nope")]):
+        assert main(cmd) == 1
+        assert "quantkit" in _error_line(capsys.readouterr().err)
