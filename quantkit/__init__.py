@@ -8,6 +8,9 @@ The flow::
     qmodel = quantkit.convert(prepared)                   # quantize/dequantize + int8 weights
 
 or ``quantkit.quantize(model, example_inputs, calib_batches)`` for all four.
+
+Accuracy tools: ``quantkit.debug.compare`` (per-layer numerics), ``quantkit.sensitivity``,
+``quantkit.auto_fallback`` (float fallback to an accuracy budget), ``quantkit.smooth_quant``.
 """
 
 from ._api import quantize
@@ -16,6 +19,10 @@ from ._capture import capture
 from ._convert import convert
 from ._errors import CalibrationError, CaptureError, ConvertError, QuantkitError
 from ._prepare import prepare
+from ._sensitivity import sensitivity
+from ._fallback import auto_fallback
+from ._smoothquant import smooth_quant
+from . import debug, metrics
 
 __version__ = "0.1.0"
 
@@ -25,6 +32,11 @@ __all__ = [
     "calibrate",
     "convert",
     "quantize",
+    "debug",
+    "metrics",
+    "sensitivity",
+    "auto_fallback",
+    "smooth_quant",
     "QuantkitError",
     "CaptureError",
     "CalibrationError",
