@@ -6,6 +6,7 @@ import operator
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.fx.node import map_arg
 
 from ._errors import ConvertError
 from ._prepare import is_observer_node
@@ -51,10 +52,10 @@ def _constant_value(gm: GraphModule, node, memo: dict):
     if node.op == "get_attr":
         value = _attr(gm, str(node.target))
     elif node.op == "call_function" and not getattr(node.target, "_nondeterministic_seeded", False):
-        args = [_constant_value(gm, a, memo) for a in node.args]
-        kwargs = {k: _constant_value(gm, v, memo) for k, v in node.kwargs.items()}
-        deps = [a for a in list(node.args) + list(node.kwargs.values()) if isinstance(a, Node)]
-        if all(memo.get(d) is not None for d in deps):
+        deps: list[Node] = []
+        map_arg((node.args, node.kwargs), deps.append)
+        if all(_constant_value(gm, d, memo) is not None for d in deps):
+            args, kwargs = map_arg((node.args, node.kwargs), lambda n: memo[n])
             with torch.no_grad():
                 value = node.target(*args, **kwargs)
     memo[node] = value

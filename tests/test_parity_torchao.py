@@ -60,3 +60,94 @@ def test_quantkit_quantizer_works_with_torchao_flow(name):
         diff = (ours(x) - theirs(x)).abs().max().item()
     assert diff <= 1e-6, f"{name}: max abs diff {diff:.3g}"
     assert _qdq_counts(ours) == _qdq_counts(theirs)
+
+
+class _SpecZoo(torch.nn.Module):
+    """Graph input, a weighted op with an int32 bias, a shared-qparams cat, a sigmoid
+    with fixed qparams, and a quantized graph output."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        z = torch.cat([y, x], dim=1)
+        return torch.sigmoid(z)
+
+
+class _ZooQuantizer:
+    """Exercises every spec kind and node kind: placeholder output, edge specs,
+    SharedQuantizationSpec, DerivedQuantizationSpec and FixedQParamsQuantizationSpec."""
+
+    def __new__(cls):
+        from quantkit.quantizers import (
+            DerivedQuantizationSpec,
+            FixedQParamsQuantizationSpec,
+            QuantizationAnnotation,
+            QuantizationSpec,
+            Quantizer,
+            SharedQuantizationSpec,
+        )
+        from quantkit.observers import MinMaxObserver, PerChannelMinMaxObserver
+
+        act = QuantizationSpec(dtype=torch.uint8, quant_min=0, quant_max=255, qscheme=torch.per_tensor_affine,
+                               observer_or_fake_quant_ctr=MinMaxObserver)
+        wt = QuantizationSpec(dtype=torch.int8, quant_min=-127, quant_max=127, qscheme=torch.per_channel_symmetric,
+                              ch_axis=0, observer_or_fake_quant_ctr=PerChannelMinMaxObserver)
+
+        class Zoo(Quantizer):
+            def annotate(self, gm):
+                for n in gm.graph.nodes:
+                    if n.op == "placeholder":
+                        n.meta["quantization_annotation"] = QuantizationAnnotation(output_qspec=act, _annotated=True)
+                    elif n.target == torch.ops.aten.linear.default:
+                        x, w, b = n.args
+
+                        def derive(obs):
+                            s_a, _ = obs[0].calculate_qparams()
+                            s_w, _ = obs[1].calculate_qparams()
+                            return s_a * s_w, torch.zeros_like(s_w, dtype=torch.int64)
+
+                        bias = DerivedQuantizationSpec(
+                            derived_from=[(x, n), (w, n)], derive_qparams_fn=derive, dtype=torch.int32,
+                            quant_min=-(2**31), quant_max=2**31 - 1, qscheme=torch.per_channel_symmetric, ch_axis=0)
+                        n.meta["quantization_annotation"] = QuantizationAnnotation(
+                            input_qspec_map={x: act, w: wt, b: bias}, output_qspec=act, _annotated=True)
+                    elif n.target == torch.ops.aten.cat.default:
+                        a, b = n.args[0]
+                        n.meta["quantization_annotation"] = QuantizationAnnotation(
+                            input_qspec_map={a: act, b: SharedQuantizationSpec((a, n))},
+                            output_qspec=SharedQuantizationSpec((a, n)), _annotated=True)
+                    elif n.target == torch.ops.aten.sigmoid.default:
+                        fixed = FixedQParamsQuantizationSpec(dtype=torch.uint8, scale=1 / 256, zero_point=0,
+                                                             quant_min=0, quant_max=255,
+                                                             qscheme=torch.per_tensor_affine)
+                        n.meta["quantization_annotation"] = QuantizationAnnotation(
+                            input_qspec_map={n.args[0]: SharedQuantizationSpec(n.args[0])},
+                            output_qspec=fixed, _annotated=True)
+                    elif n.op == "output":
+                        n.meta["quantization_annotation"] = QuantizationAnnotation(
+                            input_qspec_map={n.args[0][0]: act}, _annotated=True)
+                return gm
+
+            def validate(self, gm):
+                pass
+
+        return Zoo()
+
+
+def test_every_spec_kind_matches_torchao():
+    torch.manual_seed(0)
+    model = _SpecZoo().eval()
+    x = torch.randn(64, 8)
+    ours, theirs, _ = _both(lambda: (model, x), _ZooQuantizer)
+    with torch.no_grad():
+        a, b = ours(x), theirs(x)
+    assert (a - b).abs().max().item() <= 1e-6
+    assert _qdq_counts(ours) == _qdq_counts(theirs)
+    counts = _qdq_counts(ours)
+    # int32 bias folded (dequantize only), fixed-qparams sigmoid output, quantized graph input
+    assert counts["dequantize_per_channel"] == 2
+    q_scales = [n.args[1] for n in ours.graph.nodes if n.target == torch.ops.quantized_decomposed.quantize_per_tensor.default]
+    assert 1 / 256 in q_scales

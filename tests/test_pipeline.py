@@ -1,0 +1,241 @@
+"""prepare → calibrate → convert with W8A8Quantizer: numerics, graph shape, configuration, errors."""
+
+import collections
+
+import pytest
+import torch
+
+import quantkit
+from quantkit._qmath import sqnr
+from quantkit.quantizers import QuantConfig, W8A8Quantizer
+from tests.models import make_cnn, make_mlp, make_transformer
+
+MODELS = {"mlp": make_mlp, "cnn": make_cnn, "transformer": make_transformer}
+Q = torch.ops.quantized_decomposed
+
+
+def _calib(x):
+    return [(b,) for b in x.split(32)]
+
+
+def _counts(gm):
+    c = collections.Counter()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and "quantized_decomposed" in str(n.target):
+            c[str(n.target).split(".", 1)[1]] += 1
+    return c
+
+
+def _observers(prepared):
+    from torchao.quantization.pt2e.observer import ObserverBase
+
+    return {id(m) for m in prepared.modules() if isinstance(m, ObserverBase)}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_prepared_equals_float(name):
+    model, x = MODELS[name]()
+    prepared = quantkit.prepare(quantkit.capture(model, (x[:8],)), W8A8Quantizer())
+    with torch.no_grad():
+        torch.testing.assert_close(prepared(x), model(x), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name,min_db", [("mlp", 35.0), ("cnn", 35.0), ("transformer", 35.0)])
+def test_w8a8_sqnr(name, min_db):
+    model, x = MODELS[name]()
+    qmodel = quantkit.quantize(model, (x[:8],), _calib(x), progress=False)
+    with torch.no_grad():
+        db = sqnr(model(x), qmodel(x))
+    assert db >= min_db, f"{name}: W8A8 SQNR {db:.1f} dB < {min_db} dB"
+
+
+def test_mlp_graph_counts_and_int8_weights():
+    model, x = make_mlp()
+    qmodel = quantkit.quantize(model, (x[:8],), _calib(x), progress=False)
+    # 3 linears: one q/dq pair per activation input, one per-channel dequantize per folded weight
+    assert _counts(qmodel) == {
+        "quantize_per_tensor.default": 3, "dequantize_per_tensor.default": 3, "dequantize_per_channel.default": 3,
+    }
+    assert not any(n.target == Q.quantize_per_channel.default for n in qmodel.graph.nodes)
+    state = qmodel.state_dict()
+    int8 = [v for v in state.values() if v.dtype == torch.int8]
+    assert sorted(t.shape for t in int8) == sorted(
+        [model.fc1.weight.shape, model.fc2.weight.shape, model.fc3.weight.shape])
+    for k, v in state.items():
+        assert not (v.is_floating_point() and v.dim() == 2), f"float weight {k} left in the converted model"
+    # the int8 weight is exactly the reference quantization of the float weight
+    from quantkit._qmath import choose_qparams, quantize
+
+    w = model.fc1.weight.detach()
+    s, z = choose_qparams(w.amin(1), w.amax(1), qscheme=torch.per_channel_symmetric, dtype=torch.int8,
+                          quant_min=-128, quant_max=127)
+    expected = quantize(w, s, z, -128, 127, torch.int8, axis=0)
+    assert any(torch.equal(t, expected) for t in int8)
+
+
+def test_cnn_graph_counts():
+    model, x = make_cnn()
+    qmodel = quantkit.quantize(model, (x[:8],), _calib(x), progress=False)
+    c = _counts(qmodel)
+    # 5 convs + 1 linear have int8 weights; their 6 activation inputs are quantized, plus
+    # the flatten before the head (propagated: its only consumer quantizes its output)
+    assert c["dequantize_per_channel.default"] == 6
+    assert c["quantize_per_tensor.default"] == 7 and c["dequantize_per_tensor.default"] == 7
+    assert not any("batch_norm" in str(n.target) for n in qmodel.graph.nodes), "batch norm was not folded"
+
+
+def test_residual_adds_optional():
+    model, x = make_cnn()
+    base = _counts(quantkit.quantize(model, (x[:8],), _calib(x), progress=False))
+    cfg = QuantConfig(ops=frozenset({"linear", "conv", "matmul", "add"}))
+    with_add = quantkit.quantize(model, (x[:8],), _calib(x), W8A8Quantizer(cfg), progress=False)
+    assert _counts(with_add)["quantize_per_tensor.default"] > base["quantize_per_tensor.default"]
+    with torch.no_grad():
+        assert sqnr(model(x), with_add(x)) >= 30
+
+
+def test_transformer_attention_matmuls_quantized():
+    model, x = make_transformer()
+    qmodel = quantkit.quantize(model, (x[:4],), _calib(x), progress=False)
+    matmuls = [n for n in qmodel.graph.nodes if n.target == torch.ops.aten.matmul.default]
+    assert len(matmuls) == 2
+    for mm in matmuls:
+        for a in mm.args[:2]:
+            assert a.target == Q.dequantize_per_tensor.default, f"{mm.name} input {a.name} is not dequantized int8"
+
+
+def test_other_batch_sizes_for_calibration_and_inference():
+    model, x = make_mlp()
+    prepared = quantkit.prepare(quantkit.capture(model, (x[:8],)), W8A8Quantizer())
+    quantkit.calibrate(prepared, [(x[:5],), (x[5:70],), x[70:71]], progress=False)
+    qmodel = quantkit.convert(prepared)
+    for n in (1, 7, 200):
+        assert qmodel(x[:n]).shape == (n, 32)
+
+
+def test_shared_tensor_gets_one_observer():
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = torch.relu(x)
+            return self.a(h) + self.b(h)
+
+    x = torch.randn(16, 8)
+    prepared = quantkit.prepare(quantkit.capture(TwoHeads(), (x,)), W8A8Quantizer())
+    # relu output shared by both linears: 1 activation observer + 2 weight observers
+    assert len(_observers(prepared)) == 3
+    quantkit.calibrate(prepared, [(x,)], progress=False)
+    qmodel = quantkit.convert(prepared)
+    # one quantize, its dequantize duplicated for each consumer
+    c = _counts(qmodel)
+    assert c["quantize_per_tensor.default"] == 1 and c["dequantize_per_tensor.default"] == 2
+
+
+def test_module_name_and_type_filters_keep_float():
+    model, x = make_mlp()
+    q = W8A8Quantizer().set_module_name("fc3", None)
+    qmodel = quantkit.quantize(model, (x[:8],), _calib(x), q, progress=False)
+    assert _counts(qmodel)["dequantize_per_channel.default"] == 2
+    fc3 = [n for n in qmodel.graph.nodes if n.target == torch.ops.aten.linear.default][-1]
+    assert fc3.args[0].target == torch.ops.aten.relu.default  # float input, no dequantize
+
+    model, x = make_cnn()
+    q = W8A8Quantizer().set_module_type(torch.nn.Conv2d, None)
+    qmodel = quantkit.quantize(model, (x[:8],), _calib(x), q, progress=False)
+    assert _counts(qmodel)["dequantize_per_channel.default"] == 1  # only the linear head
+
+    q = W8A8Quantizer().set_global(None).set_module_name("block2", QuantConfig())
+    qmodel = quantkit.quantize(model, (x[:8],), _calib(x), q, progress=False)
+    assert _counts(qmodel)["dequantize_per_channel.default"] == 2  # block2's two convs
+
+
+def test_symmetric_int8_activations():
+    model, x = make_mlp()
+    q = W8A8Quantizer(QuantConfig(activation="symmetric-int8"))
+    qmodel = quantkit.quantize(model, (x[:8],), _calib(x), q, progress=False)
+    qnodes = [n for n in qmodel.graph.nodes if n.target == Q.quantize_per_tensor.default]
+    assert qnodes and all(n.args[2] == 0 and n.args[5] == torch.int8 for n in qnodes)
+    with torch.no_grad():
+        assert sqnr(model(x), qmodel(x)) >= 30
+
+
+def test_dynamic_variant():
+    model, x = make_mlp()
+    qmodel = quantkit.quantize(model, (x[:8],), [(x[:8],)], W8A8Quantizer(dynamic=True), progress=False)
+    c = _counts(qmodel)
+    assert c["choose_qparams_symmetric.tensor"] == 3
+    assert c["quantize_per_tensor.tensor"] == 3 and c["dequantize_per_channel.default"] == 3
+    with torch.no_grad():
+        assert sqnr(model(x), qmodel(x)) >= 30
+
+
+def test_dynamic_needs_no_calibration_data_for_weights():
+    model, x = make_mlp()
+    prepared = quantkit.prepare(quantkit.capture(model, (x[:8],)), W8A8Quantizer(dynamic=True))
+    qmodel = quantkit.convert(prepared)  # nothing to calibrate: weights are observed at convert
+    with torch.no_grad():
+        assert sqnr(model(x), qmodel(x)) >= 30
+
+
+def test_quant_config_validation():
+    with pytest.raises(ValueError, match="unknown observer 'bogus'"):
+        QuantConfig(act_observer="bogus")
+    with pytest.raises(ValueError, match="unknown op families"):
+        QuantConfig(ops=frozenset({"linear", "softmax"}))
+    with pytest.raises(ValueError, match="unknown activation scheme"):
+        QuantConfig(activation="int4")
+    with pytest.raises(Exception):
+        QuantConfig().dynamic = True  # frozen
+
+
+# --- errors -------------------------------------------------------------------------
+
+def _prepared_mlp():
+    model, x = make_mlp()
+    return quantkit.prepare(quantkit.capture(model, (x[:8],)), W8A8Quantizer()), x
+
+
+def test_nan_in_calibration_data_names_the_node():
+    prepared, x = _prepared_mlp()
+    bad = x[:8].clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(quantkit.CalibrationError, match=r"node 'x -> linear'.*NaN or inf"):
+        quantkit.calibrate(prepared, [(bad,)], progress=False)
+
+
+def test_calibrating_with_no_data():
+    prepared, _ = _prepared_mlp()
+    with pytest.raises(quantkit.CalibrationError, match="calibration data is empty"):
+        quantkit.calibrate(prepared, [], progress=False)
+    with pytest.raises(TypeError, match="iterable of batches"):
+        quantkit.calibrate(prepared, torch.randn(4, 64), progress=False)
+
+
+def test_convert_before_calibrate():
+    prepared, x = _prepared_mlp()
+    with pytest.raises(quantkit.ConvertError, match="never calibrated.*quantkit.calibrate"):
+        quantkit.convert(prepared)
+    # the failed convert left the prepared model usable
+    quantkit.calibrate(prepared, [(x,)], progress=False)
+    quantkit.convert(prepared)
+
+
+def test_wrong_shape_batch_gets_clear_error():
+    prepared, x = _prepared_mlp()
+    with pytest.raises(quantkit.CalibrationError, match="does not match the captured shapes"):
+        quantkit.calibrate(prepared, [(torch.randn(4, 10),)], progress=False)
+
+
+def test_prepare_needs_a_graph_module():
+    model, _ = make_mlp()
+    with pytest.raises(TypeError, match="quantkit.capture"):
+        quantkit.prepare(model, W8A8Quantizer())
+
+
+def test_calibrate_max_batches():
+    prepared, x = _prepared_mlp()
+    quantkit.calibrate(prepared, [(x[:8],), (x * 100,)], progress=False, max_batches=1)
+    assert prepared.meta["quantkit_calibrated_batches"] == 1
