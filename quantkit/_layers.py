@@ -175,8 +175,9 @@ def _flops(target, shapes) -> int:
 
 
 def gemm_flops(float_model: GraphModule, batch) -> dict[str, int]:
-    """FLOPs of every GEMM-like node (linear, conv, matmul, attention) for one ``batch``."""
+    """FLOPs of every live GEMM-like node (linear, conv, matmul, attention) for one ``batch``."""
     gm = copy.deepcopy(float_model)
+    gm.graph.eliminate_dead_code()  # count only GEMMs whose results are used (convert drops the others)
     sink: dict[str, list] = {}
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _GEMMS]
     for i, node in enumerate(nodes):
