@@ -26,7 +26,6 @@ from torch.fx import GraphModule, Node
 from ._calibrate import run_batches
 from ._capture import capture
 from ._fold_bn import fold_conv_bn
-from ._inputs import call_model
 from ._layers import DEQUANTIZE_OPS, QUANTIZE_OPS, Layer, find_layers, layer_of, source_dequantize
 from ._metrics import reiterable
 from ._qmath import dequantize

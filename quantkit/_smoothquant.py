@@ -11,7 +11,6 @@ rows); otherwise an explicit ``x * (1/s)`` is inserted before them.
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from typing import Iterable
 

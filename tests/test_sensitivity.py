@@ -8,7 +8,6 @@ import torch
 
 import quantkit
 from quantkit._layers import KeepFloat, find_layers
-from quantkit._metrics import Evaluator
 from quantkit._variants import Variants
 from quantkit.quantizers import W8A8Quantizer
 from tests.models import make_transformer
