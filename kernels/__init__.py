@@ -1,3 +1,12 @@
-"""Triton int8 kernels (filled in by the lowering work)."""
+"""quantkit.kernels: int8 compute kernels (Triton on CUDA, ``torch._int_mm`` on CPU).
 
-__all__: list[str] = []
+Each kernel is a ``torch.library`` op (``torch.ops.quantkit.*``) with a fake implementation,
+so ``torch.compile`` and Inductor see it: ``int8_linear`` (int8 GEMM with fused
+scale / zero point / bias / activation / requantize epilogue), ``int8_bmm`` (its batched
+variant for attention) and ``quantize_per_token`` (fused dynamic quantization).
+"""
+
+from ._int8_gemm import ACTIVATIONS, OUT_DTYPES, int8_bmm, int8_linear
+from ._quant import quantize_per_token
+
+__all__ = ["int8_linear", "int8_bmm", "quantize_per_token", "ACTIVATIONS", "OUT_DTYPES"]

@@ -6,6 +6,7 @@ state of another observer of its kind (``obs.merge(other)``).
 """
 
 from ._base import QuantkitObserver
+from ._histogram import HistogramMethod, HistogramObserver, PerChannelMSEObserver
 from ._minmax import (
     MinMaxObserver,
     MovingAverageMinMaxObserver,
@@ -25,6 +26,9 @@ __all__ = [
     "PlaceholderObserver",
     "FixedQParamsObserver",
     "DerivedObserver",
+    "HistogramMethod",
+    "HistogramObserver",
+    "PerChannelMSEObserver",
     "register",
     "get",
     "available",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from quantkit._errors import ConvertError
+from quantkit._qmath import underlying_dtype
 
 from ._base import QuantkitObserver
 from ._registry import register
@@ -195,11 +196,16 @@ class MovingAveragePerChannelMinMaxObserver(PerChannelMinMaxObserver):
 @register("placeholder")
 class PlaceholderObserver(QuantkitObserver):
     """Marks a tensor for dynamic quantization: records nothing, qparams are
-    computed at run time by ``choose_qparams`` in the converted graph."""
+    computed at run time by ``choose_qparams`` in the converted graph
+    (``choose_qparams_per_token`` with ``per_token=True``: one scale per row of the
+    last dimension)."""
 
     def __init__(self, dtype=torch.int8, qscheme=torch.per_tensor_symmetric,
-                 is_dynamic: bool = True, **kwargs) -> None:
+                 is_dynamic: bool = True, per_token: bool = False, **kwargs) -> None:
         super().__init__(dtype=dtype, qscheme=qscheme, is_dynamic=is_dynamic, **kwargs)
+        if per_token and (underlying_dtype(dtype) != torch.int8 or qscheme != torch.per_tensor_symmetric):
+            raise ValueError("per-token dynamic quantization is symmetric int8; use dtype=torch.int8, per_tensor_symmetric")
+        self.per_token = bool(per_token)
 
     @property
     def calibrated(self) -> bool:

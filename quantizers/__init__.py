@@ -16,7 +16,7 @@ from torchao.quantization.pt2e.quantizer import (
     SharedQuantizationSpec,
 )
 
-from ._config import QUANTIZABLE_OPS, ActivationScheme, QuantConfig
+from ._config import QUANTIZABLE_OPS, ActivationScheme, Granularity, QuantConfig
 from ._w8a8 import W8A8Quantizer
 
 __all__ = [
@@ -31,5 +31,6 @@ __all__ = [
     "W8A8Quantizer",
     "QuantConfig",
     "ActivationScheme",
+    "Granularity",
     "QUANTIZABLE_OPS",
 ]

@@ -9,25 +9,50 @@ import torch
 
 from quantkit.observers import get as get_observer
 
-__all__ = ["ActivationScheme", "QuantConfig", "QUANTIZABLE_OPS"]
+__all__ = ["ActivationScheme", "Granularity", "QuantConfig", "QUANTIZABLE_OPS"]
 
 # op families W8A8Quantizer knows; "add" (residual adds) is off by default
 QUANTIZABLE_OPS = frozenset({"linear", "conv", "matmul", "add"})
 
 
 class ActivationScheme(str, Enum):
-    """How activations are quantized (per tensor)."""
+    """How activations are quantized (per tensor).
+
+    ``AFFINE_UINT7`` is affine uint8 restricted to 0..127 (FBGEMM's ``reduce_range``): on x86
+    CPUs without VNNI, oneDNN's int8 GEMM adds pairs of u8*s8 products into a saturating
+    int16, and 2 * 127 * 128 = 32512 fits where 2 * 255 * 128 does not. It costs one bit of
+    activation resolution and lets ``quantkit.compile`` run oneDNN exactly on those CPUs.
+    """
 
     AFFINE_UINT8 = "affine-uint8"
     SYMMETRIC_INT8 = "symmetric-int8"
+    AFFINE_UINT7 = "affine-uint7"
 
     @property
     def dtype(self) -> torch.dtype:
-        return torch.uint8 if self is ActivationScheme.AFFINE_UINT8 else torch.int8
+        return torch.int8 if self is ActivationScheme.SYMMETRIC_INT8 else torch.uint8
 
     @property
     def qscheme(self) -> torch.qscheme:
-        return torch.per_tensor_affine if self is ActivationScheme.AFFINE_UINT8 else torch.per_tensor_symmetric
+        return torch.per_tensor_symmetric if self is ActivationScheme.SYMMETRIC_INT8 else torch.per_tensor_affine
+
+    @property
+    def qrange(self) -> tuple[int, int]:
+        """``(quant_min, quant_max)`` of the stored integers."""
+        return {
+            ActivationScheme.AFFINE_UINT8: (0, 255),
+            ActivationScheme.SYMMETRIC_INT8: (-128, 127),
+            ActivationScheme.AFFINE_UINT7: (0, 127),
+        }[self]
+
+
+class Granularity(str, Enum):
+    """Which elements share one activation scale."""
+
+    PER_TENSOR = "per-tensor"
+    # one scale per row of the last dimension (per token); dynamic only, since the
+    # scales of tokens not seen in calibration cannot be known ahead of time
+    PER_TOKEN = "per-token"
 
 
 @dataclass(frozen=True)
@@ -35,13 +60,17 @@ class QuantConfig:
     """Static (or dynamic) W8A8 quantization settings.
 
     Args:
-        activation: ``"affine-uint8"`` (default for static) or ``"symmetric-int8"``
-            (default for dynamic).
+        activation: ``"affine-uint8"`` (default for static), ``"symmetric-int8"``
+            (default for dynamic) or ``"affine-uint7"`` (uint8 in 0..127, for oneDNN on
+            x86 CPUs without VNNI; see :class:`ActivationScheme`).
         act_observer: registered observer name for activations (``"minmax"``, ...).
             Ignored when ``dynamic`` (qparams are chosen at run time).
         weight_observer: registered observer name for weights; weights are symmetric
             int8, per output channel when the observer is a per-channel one.
         dynamic: quantize activations at run time instead of calibrating them.
+        granularity: ``"per-tensor"`` (default) or ``"per-token"`` (dynamic, symmetric
+            int8 only): each token gets its own scale, which keeps outlier tokens
+            (e.g. a transformer's [CLS]/[SEP]) from costing every other token precision.
         ops: op families to quantize: any of ``"linear"``, ``"conv"``, ``"matmul"``
             (matmul/bmm, e.g. attention) and ``"add"`` (residual adds).
 
@@ -53,6 +82,7 @@ class QuantConfig:
     act_observer: str = "minmax"
     weight_observer: str = "per_channel_minmax"
     dynamic: bool = False
+    granularity: Granularity | str = Granularity.PER_TENSOR
     ops: frozenset = field(default_factory=lambda: frozenset({"linear", "conv", "matmul"}))
 
     def __post_init__(self) -> None:
@@ -68,6 +98,20 @@ class QuantConfig:
         object.__setattr__(self, "activation", act)
         if not isinstance(self.dynamic, bool):
             raise ValueError(f"dynamic must be True or False, got {self.dynamic!r}")
+        try:
+            granularity = Granularity(self.granularity)
+        except ValueError:
+            raise ValueError(
+                f"unknown granularity {self.granularity!r}; use one of {[g.value for g in Granularity]}"
+            ) from None
+        object.__setattr__(self, "granularity", granularity)
+        if granularity is Granularity.PER_TOKEN:
+            if not self.dynamic:
+                raise ValueError("per-token activation quantization is dynamic; pass dynamic=True")
+            if act is not ActivationScheme.SYMMETRIC_INT8:
+                raise ValueError(
+                    f"per-token activations are symmetric int8; got activation={act.value!r}, use 'symmetric-int8'"
+                )
         ops = frozenset([self.ops] if isinstance(self.ops, str) else self.ops)
         unknown = ops - QUANTIZABLE_OPS
         if unknown:

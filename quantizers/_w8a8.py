@@ -15,7 +15,7 @@ from torchao.quantization.pt2e.quantizer import (
 
 from quantkit.observers import get as get_observer
 
-from ._config import QuantConfig
+from ._config import Granularity, QuantConfig
 
 __all__ = ["W8A8Quantizer"]
 
@@ -132,8 +132,10 @@ class W8A8Quantizer(Quantizer):
     @staticmethod
     def act_spec(config: QuantConfig) -> QuantizationSpec:
         scheme = config.activation
-        lo, hi = (0, 255) if scheme.dtype == torch.uint8 else (-128, 127)
+        lo, hi = scheme.qrange
         ctor = get_observer("placeholder" if config.dynamic else config.act_observer)
+        if config.granularity is Granularity.PER_TOKEN:
+            ctor = ctor.with_args(per_token=True)
         return QuantizationSpec(
             dtype=scheme.dtype, quant_min=lo, quant_max=hi, qscheme=scheme.qscheme,
             is_dynamic=config.dynamic, observer_or_fake_quant_ctr=ctor,

@@ -16,6 +16,7 @@ Accuracy tools: ``quantkit.debug.compare`` (per-layer numerics), ``quantkit.sens
 from ._api import quantize
 from ._calibrate import calibrate
 from ._capture import capture
+from ._compile import compile
 from ._convert import convert
 from ._errors import CalibrationError, CaptureError, ConvertError, QuantkitError
 from ._prepare import prepare
@@ -31,6 +32,7 @@ __all__ = [
     "prepare",
     "calibrate",
     "convert",
+    "compile",
     "quantize",
     "debug",
     "metrics",

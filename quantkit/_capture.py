@@ -97,9 +97,8 @@ def capture(model: torch.nn.Module, example_inputs: Any, *, dynamic_shapes=None)
     args, kwargs = as_args_kwargs(example_inputs)
     user_shapes = dynamic_shapes is not None
     if not user_shapes:
+        # as_args_kwargs gives either positional or keyword inputs, never both
         dynamic_shapes = _batch_dynamic(kwargs) if kwargs else _batch_dynamic(args)
-        if kwargs and args:
-            dynamic_shapes = None
     try:
         ep = None
         tensors = list(_tensors((args, kwargs)))

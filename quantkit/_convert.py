@@ -27,6 +27,7 @@ _DEQUANTIZE_OPS = (
     _OPS.dequantize_per_tensor.default,
     _OPS.dequantize_per_tensor.tensor,
     _OPS.dequantize_per_channel.default,
+    _OPS.dequantize_per_token.default,
 )
 _CHOOSE_QPARAMS = {
     torch.per_tensor_affine: _OPS.choose_qparams.tensor,
@@ -104,6 +105,16 @@ class _Converter:
                 out = self.graph.call_function(conv, (self.graph.call_function(conv, (src, torch.float16)), torch.float32))
             elif dtype not in _SUPPORTED:
                 out = src  # nothing to quantize (e.g. a float passthrough observer)
+            elif is_dynamic and getattr(obs, "per_token", False):
+                choose = self.graph.call_function(_OPS.choose_qparams_per_token.default, (src, dtype))
+                scale = self.graph.call_function(operator.getitem, (choose, 0))
+                zp = self.graph.call_function(operator.getitem, (choose, 1))
+                qargs = (scale, zp, obs.quant_min, obs.quant_max, dtype)
+                q = self.graph.call_function(_OPS.quantize_per_token.default, (src,) + qargs)
+                out_dtype = val.dtype if isinstance(val, torch.Tensor) else torch.float32
+                out = self.graph.call_function(_OPS.dequantize_per_token.default, (q,) + qargs + (out_dtype,))
+                self.records.append({"node": getattr(obs, "node_name", node.name),
+                                     "kind": "dynamic-per-token", "dtype": str(dtype).replace("torch.", "")})
             elif is_dynamic:
                 qscheme = getattr(obs, "qscheme", torch.per_tensor_affine)
                 if qscheme not in _CHOOSE_QPARAMS:

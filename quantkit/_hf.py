@@ -21,6 +21,7 @@ __all__ = [
     "tokenize",
     "embed",
     "cosine",
+    "SentenceEmbedder",
 ]
 
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -143,3 +144,22 @@ def embed(output, attention_mask: torch.Tensor) -> torch.Tensor:
 def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per-row cosine similarity (float64)."""
     return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1)
+
+
+class SentenceEmbedder(torch.nn.Module):
+    """Wrap an HF encoder so that it returns sentence embeddings directly.
+
+    ``forward(input_ids, attention_mask, token_type_ids=None)`` runs the encoder, then
+    mean-pools over the real tokens and L2-normalises (all-MiniLM-L6-v2's recipe).
+    Capturing this wrapper makes the quantized model's output the embedding itself.
+    """
+
+    def __init__(self, encoder: torch.nn.Module) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None):
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if token_type_ids is not None:
+            kwargs["token_type_ids"] = token_type_ids
+        return embed(self.encoder(**kwargs), attention_mask)

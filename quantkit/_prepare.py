@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch.fx import GraphModule, Node
 
@@ -96,7 +98,8 @@ def prepare(model: GraphModule, quantizer) -> GraphModule:
         quantizer: a torchao-protocol ``Quantizer`` (quantkit's or torchao's own).
 
     Returns:
-        The prepared GraphModule. Its outputs equal the float model's.
+        A new prepared GraphModule (``model`` itself is not modified). Its outputs
+        equal the float model's.
     """
     if not isinstance(model, GraphModule):
         raise TypeError(
@@ -105,6 +108,8 @@ def prepare(model: GraphModule, quantizer) -> GraphModule:
     if not hasattr(quantizer, "annotate"):
         raise TypeError(f"quantizer must implement the Quantizer protocol (annotate), got {type(quantizer).__name__}")
     meta = dict(model.meta)
+    # work on a copy: the caller's captured graph stays float and can be prepared again
+    model = copy.deepcopy(model)
     fold_conv_bn(model)
     model = quantizer.transform_for_annotation(model)
     quantizer.annotate(model)

@@ -162,6 +162,20 @@ def test_symmetric_int8_activations():
         assert sqnr(model(x), qmodel(x)) >= 30
 
 
+def test_uint7_activations():
+    # reduced-range activations (for oneDNN on CPUs without VNNI): every q/dq carries 0..127
+    model, x = make_mlp()
+    q = W8A8Quantizer(QuantConfig(activation="affine-uint7"))
+    qmodel = quantkit.quantize(model, (x[:8],), _calib(x), q, progress=False)
+    act = [n for n in qmodel.graph.nodes if n.target in (Q.quantize_per_tensor.default, Q.dequantize_per_tensor.default)]
+    assert len(act) == 6  # a quantize and a dequantize in front of each of the 3 linears
+    assert {tuple(n.args[3:6]) for n in act} == {(0, 127, torch.uint8)}
+    assert all(0 <= n.args[2] <= 127 for n in act)
+    with torch.no_grad():
+        db = sqnr(model(x), qmodel(x))
+    assert db >= 30, f"uint7 activations: SQNR {db:.1f} dB < 30 dB"
+
+
 def test_dynamic_variant():
     model, x = make_mlp()
     qmodel = quantkit.quantize(model, (x[:8],), [(x[:8],)], W8A8Quantizer(dynamic=True), progress=False)
@@ -239,3 +253,39 @@ def test_calibrate_max_batches():
     prepared, x = _prepared_mlp()
     quantkit.calibrate(prepared, [(x[:8],), (x * 100,)], progress=False, max_batches=1)
     assert prepared.meta["quantkit_calibrated_batches"] == 1
+
+
+def test_prepare_leaves_the_captured_graph_untouched():
+    model, x = make_cnn()
+    gm = quantkit.capture(model, (x[:8],))
+    before = [(n.name, n.target) for n in gm.graph.nodes]
+    a = quantkit.prepare(gm, W8A8Quantizer())
+    b = quantkit.prepare(gm, W8A8Quantizer(dynamic=True))
+    assert [(n.name, n.target) for n in gm.graph.nodes] == before
+    assert not any("quantization_annotation" in n.meta for n in gm.graph.nodes)
+    assert a is not gm and b is not gm
+
+
+def test_dynamic_per_token_variant():
+    model, x = make_transformer()
+    cfg = QuantConfig(dynamic=True, granularity="per-token")
+    qmodel = quantkit.quantize(model, (x[:4],), [(x[:4],)], W8A8Quantizer(cfg), progress=False)
+    c = _counts(qmodel)
+    # 4 linears + 2 attention matmuls (2 inputs each): 8 per-token quantized activations
+    assert c["choose_qparams_per_token.default"] == 8
+    assert c["quantize_per_token.default"] == 8 and c["dequantize_per_token.default"] == 8
+    assert c["dequantize_per_channel.default"] == 4
+    per_tensor = quantkit.quantize(model, (x[:4],), [(x[:4],)], W8A8Quantizer(dynamic=True), progress=False)
+    with torch.no_grad():
+        ref = model(x)
+        db_token, db_tensor = sqnr(ref, qmodel(x)), sqnr(ref, per_tensor(x))
+    assert db_token >= 35 and db_token > db_tensor, (db_token, db_tensor)
+
+
+def test_per_token_config_validation():
+    with pytest.raises(ValueError, match="per-token activation quantization is dynamic"):
+        QuantConfig(granularity="per-token")
+    with pytest.raises(ValueError, match="per-token activations are symmetric int8"):
+        QuantConfig(dynamic=True, granularity="per-token", activation="affine-uint8")
+    with pytest.raises(ValueError, match="unknown granularity"):
+        QuantConfig(granularity="per-row")

@@ -1,0 +1,196 @@
+"""Calibration observers (issue 3): histogram update and range-search speed against
+torchao and the per-candidate references, MiniLM calibration time and accuracy.
+
+Run from the repository root:
+
+    python benchmarks/bench_observers.py            # everything, prints a Markdown section
+    python benchmarks/bench_observers.py --no-model # synthetic tensors only
+
+All timings of one table come from the same run on the same tensors (ratios side by
+side). Threads default to 1: on a shared 2-core machine, intra-op threads make small
+ops wait on each other and the numbers stop meaning anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.observers._reference
+
+warnings.filterwarnings("ignore")
+logging.getLogger("torchao").setLevel(logging.ERROR)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from torchao.quantization.pt2e.observer import HistogramObserver as TorchaoHistogram  # noqa: E402
+
+import quantkit  # noqa: E402
+from quantkit import _hf  # noqa: E402
+from quantkit.observers import HistogramObserver  # noqa: E402
+from quantkit.observers import _histsearch as hs  # noqa: E402
+from quantkit.quantizers import QuantConfig, W8A8Quantizer  # noqa: E402
+from tests.observers._reference import kl_threshold_reference, mse_threshold_reference  # noqa: E402
+
+SYM = dict(dtype=torch.int8, qscheme=torch.per_tensor_symmetric)
+AFF = dict(dtype=torch.uint8, qscheme=torch.per_tensor_affine)
+METHODS = ("kl", "mse", "l2", "percentile")
+
+
+def _machine() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        model = next(ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name"))
+    except Exception:
+        model = platform.processor() or "unknown CPU"
+    return f"{model}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} thread(s)"
+
+
+def _timeit(fn, repeat: int = 5) -> float:
+    """Median seconds of ``repeat`` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _activations(batches: int, seed: int = 0) -> list[torch.Tensor]:
+    """Activation-like tensors, 32×128×384: Gaussian bulk, a few outlier channels."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.ones(384)
+    scale[torch.randperm(384, generator=g)[:6]] = 12.0  # outlier channels, as in transformers
+    return [torch.randn(32, 128, 384, generator=g) * scale + 0.1 for _ in range(batches)]
+
+
+def bench_update(xs) -> list[str]:
+    ours = {"affine": HistogramObserver(**AFF), "symmetric": HistogramObserver(**SYM)}
+    theirs = TorchaoHistogram(bins=2048)
+    per = {name: [] for name in ("torchao", *ours)}
+    for x in xs:
+        for name, obs in (("torchao", theirs), *ours.items()):
+            t0 = time.perf_counter()
+            obs(x)
+            per[name].append(time.perf_counter() - t0)
+    ta = statistics.median(per["torchao"][1:])
+    rows = ["| observer | median update per batch | vs torchao |", "|---|---:|---:|",
+            f"| torchao HistogramObserver (2048 bins) | {ta * 1e3:.1f} ms | 1.00× |"]
+    for name in ours:
+        t = statistics.median(per[name][1:])
+        rows.append(f"| quantkit HistogramObserver, {name} | {t * 1e3:.1f} ms | {ta / t:.2f}× faster |")
+    return rows
+
+
+def bench_search(xs) -> list[str]:
+    theirs = TorchaoHistogram(bins=2048)
+    for x in xs:
+        theirs(x)
+    t_torchao = _timeit(theirs.calculate_qparams, 3)
+    rows = ["| method | scheme | search + qparams | vs torchao's calculate_qparams | vs per-candidate reference |",
+            "|---|---|---:|---:|---:|"]
+    refs = {}
+    for scheme_name, scheme in (("symmetric", SYM), ("affine", AFF)):
+        for method in METHODS:
+            obs = HistogramObserver(method=method, **scheme)
+            for x in xs:
+                obs(x)
+            t = _timeit(obs.calculate_qparams, 9)
+            ref = ""
+            if scheme_name == "symmetric" and method in ("kl", "mse"):
+                lo, hi = float(obs.min_val), float(obs.max_val)
+                if method == "kl":
+                    h, _ = hs.kl_histogram(obs.histogram, lo, hi, True)
+                    ref_fn = lambda: kl_threshold_reference(h.numpy(), 128)  # noqa: E731
+                else:
+                    ah, amax = hs.abs_histogram(obs.histogram[None], obs.min_val.double().view(1),
+                                                obs.max_val.double().view(1))
+                    ref_fn = lambda: mse_threshold_reference(ah[0].numpy(), float(amax))  # noqa: E731
+                t0 = time.perf_counter()
+                ref_fn()
+                refs[method] = time.perf_counter() - t0
+                ref = f"{refs[method] / t:.0f}× faster ({refs[method]:.2f} s)"
+            rows.append(f"| {method} | {scheme_name} | {t * 1e3:.2f} ms | {t_torchao / t:.1f}× faster | {ref} |")
+    rows.append(f"| torchao HistogramObserver (L2, greedy) | affine | {t_torchao * 1e3:.1f} ms | 1.0× | |")
+    return rows
+
+
+def bench_minilm(seq_len: int, n_calib: int = 128, n_test: int = 100) -> tuple[list[str], list[str]]:
+    model, tok = _hf.load_hf_model(_hf.default_model_path())
+    sentences = _hf.read_sentences(_hf.default_calibration_file())
+    calib = _hf.tokenize(tok, sentences[:n_calib], seq_len=seq_len, batch_size=32)
+    test = _hf.tokenize(tok, sentences[-n_test:], seq_len=seq_len, batch_size=32)
+    with torch.no_grad():
+        ref = torch.cat([_hf.embed(model(**b), b["attention_mask"]) for b in test])
+    gm = quantkit.capture(model, calib[0])
+    rows_time = [f"| activation observer | calibration time (4 batches × 32 × {seq_len} tokens) | vs min-max |",
+                 "|---|---:|---:|"]
+    rows_acc = ["| activation observer | weight observer | mean cosine | min cosine |", "|---|---|---:|---:|"]
+    t_minmax = None
+    configs = [(a, "per_channel_minmax") for a in ("minmax", "kl", "mse", "l2", "percentile")]
+    configs += [("mse", "per_channel_mse")]
+    warm = quantkit.prepare(copy.deepcopy(gm), W8A8Quantizer(QuantConfig(act_observer="mse")))
+    quantkit.calibrate(warm, calib[:1], progress=False)  # first-call costs, untimed
+    for act, weight in configs:
+        cfg = QuantConfig(act_observer=act, weight_observer=weight)
+        prepared = quantkit.prepare(copy.deepcopy(gm), W8A8Quantizer(cfg))  # prepare edits its input
+        t0 = time.perf_counter()
+        quantkit.calibrate(prepared, calib, progress=False)
+        t_cal = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        q = quantkit.convert(prepared)
+        t_conv = time.perf_counter() - t0
+        with torch.no_grad():
+            emb = torch.cat([_hf.embed(q(**b), b["attention_mask"]) for b in test])
+        cos = _hf.cosine(ref, emb)
+        if weight == "per_channel_minmax":
+            if act == "minmax":
+                t_minmax = t_cal
+            rows_time.append(f"| {act} | {t_cal:.2f} s (convert {t_conv:.2f} s) | {t_cal / t_minmax:.2f}× |")
+        rows_acc.append(f"| {act} | {weight} | {float(cos.mean()):.5f} | {float(cos.min()):.5f} |")
+        print(rows_acc[-1], file=sys.stderr)
+    return rows_time, rows_acc
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batches", type=int, default=12)
+    ap.add_argument("--no-model", action="store_true", help="skip the all-MiniLM-L6-v2 part")
+    ap.add_argument("--seq-len", type=int, default=128, help="MiniLM tokens per sentence (padded)")
+    ap.add_argument("--skip-synthetic", action="store_true", help="only the all-MiniLM-L6-v2 part")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = ["## Calibration observers (issue 3)", "",
+           f"Machine: {_machine()}. Date: {datetime.date.today()}.",
+           f"Command: `python benchmarks/bench_observers.py {' '.join(sys.argv[1:] if argv is None else argv)}`.", ""]
+    if not args.skip_synthetic:
+        xs = _activations(args.batches)
+        out += [f"### Histogram update ({args.batches} batches of 32×128×384 float32, 2048 bins)", ""]
+        out += bench_update(xs)
+        out += ["", "### Range search + qparams (same histograms, 2048 bins)", ""]
+        out += bench_search(xs)
+    if not args.no_model:
+        rows_time, rows_acc = bench_minilm(args.seq_len)
+        out += ["", "### all-MiniLM-L6-v2: calibration time (W8A8, weights per-channel min-max)", ""]
+        out += rows_time
+        out += ["", "### all-MiniLM-L6-v2: cosine to float on 100 held-out sentences "
+                f"(calibrated on the first 128, padded to {args.seq_len} tokens)", ""]
+        out += rows_acc
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""compile: torch.compile a converted model with quantkit's int8 lowering applied first."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from torch.fx import GraphModule
+
+from ._lowering import Target, lower
+from ._lowering._onednn import exact_for_graph
+
+__all__ = ["compile", "CPU_KERNELS", "LOWERING_META_KEY"]
+
+LOWERING_META_KEY = "quantkit_lowering"
+# "auto": oneDNN int8 where it is exact (VNNI/AMX CPUs, or 7-bit activations: see
+# _onednn.exact_for_graph), else the reference q/dq graph
+CPU_KERNELS = ("auto", "onednn", "reference")
+
+
+def _device_type(gm: GraphModule) -> str:
+    devices = {t.device.type for t in list(gm.buffers()) + list(gm.parameters())}
+    if len(devices) > 1:
+        raise ValueError(f"the model's tensors are on several devices {sorted(devices)}; move it with .to(device) first")
+    return devices.pop() if devices else "cpu"
+
+
+def compile(converted: GraphModule, *, cpu_kernels: str = "auto", **torch_compile_kwargs):
+    """``torch.compile`` a ``quantkit.convert`` result, running q/dq layers as fused int8 kernels.
+
+    An FX pass first rewrites ``dq(x) -> linear <- dq(w_int8)`` (with a following relu/gelu and
+    requantize fused in) into int8 kernels: quantkit's Triton ops on CUDA (plus int8 attention
+    matmuls), oneDNN ``qlinear_pointwise`` on CPU with Inductor freezing on, so the weight
+    prepack is folded. Unmatched q/dq stays as it is (reference numerics). ``converted`` itself
+    is not modified; the pass works on a copy, which is inference-only.
+
+    Args:
+        converted: the GraphModule returned by ``quantkit.convert``.
+        cpu_kernels: ``"auto"`` uses oneDNN int8 where it is exact -- on VNNI / AMX CPUs, or
+            on any x86 CPU when every linear/conv activation is 7-bit
+            (``QuantConfig(activation="affine-uint7")``) -- and otherwise compiles the
+            reference q/dq graph (also for a graph mixing 7-bit and 8-bit activations);
+            ``"onednn"`` forces oneDNN (on AVX2-only CPUs with 8-bit activations its int16
+            intermediate sums saturate: fast, not exact); ``"reference"`` never rewrites.
+            Ignored on CUDA.
+        **torch_compile_kwargs: passed to ``torch.compile`` (``dynamic``, ``fullgraph``,
+            ``options``, ...). With oneDNN, calls run with Inductor ``freezing=True`` and no grad.
+
+    Returns:
+        The compiled module; ``._orig_mod.meta["quantkit_lowering"]`` counts the rewrites.
+
+    Example:
+        >>> fast = quantkit.compile(quantkit.convert(prepared))
+        >>> y = fast(x)
+    """
+    if not isinstance(converted, GraphModule) or not converted.meta.get("quantkit_converted"):
+        raise TypeError(
+            f"compile expects the GraphModule returned by quantkit.convert, got {type(converted).__name__}"
+        )
+    if cpu_kernels not in CPU_KERNELS:
+        raise ValueError(f"unknown cpu_kernels {cpu_kernels!r}; use one of {list(CPU_KERNELS)}")
+    if _device_type(converted) == "cuda":
+        target = Target.TRITON
+    elif cpu_kernels == "onednn" or (cpu_kernels == "auto" and exact_for_graph(converted)):
+        target = Target.ONEDNN
+        if not exact_for_graph(converted):
+            warnings.warn(
+                "oneDNN int8 on a CPU without VNNI saturates int16 sums with 8-bit activations; results "
+                "are not exact (quantize with QuantConfig(activation='affine-uint7') to make them exact)",
+                stacklevel=2,
+            )
+    else:
+        target = None
+    gm = copy.deepcopy(converted)
+    gm.meta[LOWERING_META_KEY] = lower(gm, target) if target is not None else {}
+    for p in gm.parameters():
+        p.requires_grad_(False)  # inference graph: lets Inductor freeze (fold) the weights
+    compiled = torch.compile(gm, **torch_compile_kwargs)
+    if target is Target.ONEDNN:
+        return _Frozen(compiled)
+    return compiled
+
+
+class _Frozen(torch.nn.Module):
+    """Runs a compiled module with Inductor freezing on.
+
+    torch.compile compiles lazily, at the first call, and ``options={"freezing": True}`` does
+    not reach the freezing passes' fake-tensor propagation in torch 2.13 (it fails on
+    ``onednn.qlinear_prepack``); the global config does, so it is set around each call.
+    """
+
+    def __init__(self, compiled) -> None:
+        super().__init__()
+        self.compiled = compiled
+
+    @property
+    def _orig_mod(self):
+        return self.compiled._orig_mod
+
+    def forward(self, *args, **kwargs):
+        # Inductor's frozen graphs may write a residual add into the graph input's buffer
+        # (measured, torch 2.13: the transformer block's x, for torchao's PT2E flow too), which
+        # would change the caller's tensor; a copy costs one pass over the activations.
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        with torch._inductor.config.patch(freezing=True), torch.no_grad():
+            return self.compiled(*args, **kwargs)

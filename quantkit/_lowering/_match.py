@@ -1,0 +1,163 @@
+"""Find the q/dq patterns that ``quantkit.convert`` emits around linear and matmul nodes.
+
+A match is data: which nodes feed the int8 kernel and which node its result replaces.
+Matching reads the aten-level graph of ``torch.export(...).module()`` as ``convert`` left it
+(each dequantize has one user), so the patterns are few and exact.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .._qmath import default_qrange
+
+__all__ = ["ActQ", "LinearMatch", "MatmulMatch", "match_linear", "match_matmul", "attr"]
+
+aten = torch.ops.aten
+_Q = torch.ops.quantized_decomposed
+_DQ_ACT = (_Q.dequantize_per_tensor.default, _Q.dequantize_per_tensor.tensor)
+_ACTIVATIONS = {aten.relu.default: "relu", aten.gelu.default: "gelu"}
+
+
+def attr(gm: torch.nn.Module, target: str):
+    obj = gm
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+@dataclass
+class ActQ:
+    """A quantized activation: the integer tensor and its per-tensor qparams.
+
+    ``scale``/``zero_point`` are python numbers (static) or graph nodes (dynamic);
+    ``symmetric`` means the zero point is known to be 0 (int8 from choose_qparams_symmetric).
+    """
+
+    q: Node
+    scale: object
+    zero_point: object
+    dtype: torch.dtype
+    dynamic: bool
+    symmetric: bool
+
+
+@dataclass
+class LinearMatch:
+    linear: Node
+    act: ActQ
+    weight: Node                 # get_attr of the int8 [N, K] weight
+    w_scale: object              # get_attr of the float32 [N] scale, or a python float (per tensor)
+    bias: Optional[Node]
+    activation: str = "none"
+    out_dtype: torch.dtype = torch.float32
+    out_scale: float = 1.0
+    out_zero_point: int = 0
+    output: Optional[Node] = None  # the node whose uses the fused op takes over
+
+
+@dataclass
+class MatmulMatch:
+    matmul: Node
+    a: ActQ
+    b: ActQ
+
+
+def _full_range(qmin, qmax, dtype) -> bool:
+    return dtype in (torch.int8, torch.uint8) and (qmin, qmax) == default_qrange(dtype)
+
+
+def _act_q(node) -> Optional[ActQ]:
+    if not isinstance(node, Node) or node.op != "call_function" or node.target not in _DQ_ACT:
+        return None
+    if node.kwargs.get("out_dtype", torch.float32) != torch.float32 or len(node.users) != 1:
+        return None
+    q, scale, zp, qmin, qmax, dtype = node.args[:6]
+    if dtype not in (torch.int8, torch.uint8):
+        return None
+    dynamic = node.target is _Q.dequantize_per_tensor.tensor
+    symmetric = False
+    if dynamic:
+        # zero point from choose_qparams_symmetric(int8) is 0 by construction
+        choose = zp.args[0] if isinstance(zp, Node) and zp.target is operator.getitem else None
+        symmetric = (choose is not None and choose.target is _Q.choose_qparams_symmetric.tensor
+                     and dtype == torch.int8)
+    else:
+        symmetric = int(zp) == 0
+    return ActQ(q, scale, zp, dtype, dynamic, symmetric)
+
+
+def _weight(gm: GraphModule, node) -> Optional[tuple[Node, object]]:
+    """(int8 weight get_attr, scale) for a symmetric int8 weight dequantize, else None."""
+    if not isinstance(node, Node) or node.op != "call_function" or len(node.users) != 1:
+        return None
+    if node.target is _Q.dequantize_per_channel.default:
+        w, scale, zp, axis, _, _, dtype = node.args[:7]
+        if axis != 0 or not all(isinstance(n, Node) and n.op == "get_attr" for n in (w, scale, zp)):
+            return None
+        if bool(attr(gm, zp.target).any()):
+            return None
+    elif node.target is _Q.dequantize_per_tensor.default:
+        w, scale, zp, _, _, dtype = node.args[:6]
+        if not (isinstance(w, Node) and w.op == "get_attr") or int(zp) != 0:
+            return None
+    else:
+        return None
+    if dtype != torch.int8 or attr(gm, w.target).dim() != 2 or node.kwargs.get("out_dtype", torch.float32) != torch.float32:
+        return None
+    return w, scale
+
+
+def _single_user(node: Node) -> Optional[Node]:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def match_linear(gm: GraphModule, node: Node, fuse_requant: bool = True) -> Optional[LinearMatch]:
+    """Match ``linear(dq(x), dq(w_int8), bias) [-> relu|gelu] [-> quantize_per_tensor]``."""
+    if node.op != "call_function" or node.target is not aten.linear.default:
+        return None
+    x, w = node.args[:2]
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    act, weight = _act_q(x), _weight(gm, w)
+    if act is None or weight is None:
+        return None
+    m = LinearMatch(node, act, weight[0], weight[1], bias, output=node)
+    user = _single_user(node)
+    if user is not None and user.op == "call_function" and user.target in _ACTIVATIONS:
+        approx = user.kwargs.get("approximate", user.args[1] if len(user.args) > 1 else "none")
+        m.activation = _ACTIVATIONS[user.target] + ("_tanh" if approx == "tanh" else "")
+        m.output = user
+    user = _single_user(m.output)
+    if (fuse_requant and user is not None and user.op == "call_function"
+            and user.target is _Q.quantize_per_tensor.default):
+        _, scale, zp, qmin, qmax, dtype = user.args[:6]
+        if _full_range(qmin, qmax, dtype):
+            m.out_dtype, m.out_scale, m.out_zero_point, m.output = dtype, float(scale), int(zp), user
+    return m
+
+
+def _val(node: Node):
+    """Example value of a dequantize's result: convert's new q/dq nodes carry none, their source does."""
+    for n in (node, node.args[0], node.args[0].args[0] if node.args[0].args else None):
+        val = n.meta.get("val") if isinstance(n, Node) else None
+        if isinstance(val, torch.Tensor):
+            return val
+    return None
+
+
+def match_matmul(node: Node) -> Optional[MatmulMatch]:
+    """Match ``matmul(dq(a), dq(b))`` of two quantized activations with equal batch dims (attention)."""
+    if node.op != "call_function" or node.target not in (aten.matmul.default, aten.bmm.default):
+        return None
+    a, b = _act_q(node.args[0]), _act_q(node.args[1])
+    if a is None or b is None:
+        return None
+    sa, sb = _val(node.args[0]), _val(node.args[1])
+    if sa is None or sb is None or sa.dim() < 3 or sa.dim() != sb.dim() or sa.shape[:-2] != sb.shape[:-2]:
+        return None
+    return MatmulMatch(node, a, b)

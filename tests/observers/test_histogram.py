@@ -1,0 +1,343 @@
+"""Histogram observers: searches against plain references, merging, rebinning, errors."""
+
+import numpy as np
+import pytest
+import torch
+
+import quantkit
+from quantkit._errors import CalibrationError
+from quantkit._qmath import fake_quantize, sqnr
+from quantkit.observers import (
+    HistogramObserver,
+    MinMaxObserver,
+    PerChannelMinMaxObserver,
+    PerChannelMSEObserver,
+    get,
+)
+from quantkit.observers import _histsearch as hs
+from quantkit.quantizers import QuantConfig, W8A8Quantizer
+from tests.models import make_mlp, make_transformer
+from tests.observers._reference import kl_reference, kl_threshold_reference, mse_threshold_reference
+
+SYM = dict(dtype=torch.int8, qscheme=torch.per_tensor_symmetric)
+AFF = dict(dtype=torch.uint8, qscheme=torch.per_tensor_affine)
+METHODS = ["kl", "mse", "l2", "percentile"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # the searches run on small tensors, where intra-op threads only add overhead
+    # (on a busy 2-core machine, milliseconds per op); restore afterwards
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _sample(name: str, n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(n, generator=g, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
+    if name == "gaussian":
+        x = torch.randn(n, generator=g, dtype=torch.float64)
+    elif name == "laplace":
+        x = -torch.sign(u - 0.5) * torch.log1p(-2 * (u - 0.5).abs())
+    elif name == "student_t":  # 3 degrees of freedom: heavy tails
+        z = torch.randn(n, generator=g, dtype=torch.float64)
+        chi2 = torch.randn(3, n, generator=g, dtype=torch.float64).pow(2).sum(0)
+        x = z / torch.sqrt(chi2 / 3)
+    else:
+        raise AssertionError(name)
+    return x.float()
+
+
+def _observe(obs, x, chunks: int = 4):
+    for c in x.chunk(chunks):
+        obs(c)
+    return obs
+
+
+def _t64(v):
+    return torch.tensor([float(v)], dtype=torch.float64)
+
+
+def _measured_mse(x, obs) -> float:
+    scale, zp = obs.calculate_qparams()
+    axis = 0 if scale.numel() > 1 else None
+    if axis is None:
+        scale, zp = float(scale), int(zp)
+    fq = fake_quantize(x, scale, zp, obs.quant_min, obs.quant_max, obs.dtype, axis)
+    return float((fq.double() - x.double()).pow(2).mean())
+
+
+# --- KL -------------------------------------------------------------------------
+@pytest.mark.parametrize("dist", ["gaussian", "laplace", "student_t"])
+def test_kl_threshold_matches_per_candidate_reference(dist):
+    obs = _observe(HistogramObserver(method="kl", **SYM), _sample(dist, 200_000))
+    lo, hi = float(obs.min_val), float(obs.max_val)
+    abs_hist, _ = hs.kl_histogram(obs.histogram, lo, hi, symmetric=True)
+    width = max(-lo, hi) / obs.bins
+    ref_t = kl_threshold_reference(abs_hist.numpy(), levels=128) * width
+    _, t = obs._min_max()
+    assert abs(float(t) - ref_t) <= width * (1 + 1e-6), (
+        f"{dist}: KL threshold {float(t):.5f} vs reference {ref_t:.5f} (bin width {width:.5f})"
+    )
+
+
+def test_kl_divergence_matches_reference_on_windows():
+    # affine windows: tails on both sides folded in, 256 levels
+    obs = _observe(HistogramObserver(method="kl", **AFF), _sample("student_t", 200_000))
+    h = obs.histogram
+    zero = int(-float(obs.min_val) / float(obs.max_val - obs.min_val) * obs.bins)
+    rng = np.random.default_rng(0)
+    start = rng.integers(zero - 300, zero, 40)
+    stop = np.maximum(rng.integers(zero + 1, zero + 400, 40), start + 256)
+    ours = hs.kl_divergence(h, torch.from_numpy(start), torch.from_numpy(stop), 256).numpy()
+    ref = np.array([kl_reference(h.numpy(), int(a), int(b), 256) for a, b in zip(start, stop)])
+    assert np.isfinite(ref).sum() >= 10
+    np.testing.assert_allclose(ours, ref, rtol=1e-9, atol=1e-12)
+
+
+def test_kl_affine_search_finds_the_grid_minimum():
+    obs = _observe(HistogramObserver(method="kl", bins=512, **AFF), _sample("laplace", 100_000) + 1.0)
+    lo, hi = (float(v) for v in obs._min_max())
+    n, w = obs.bins, float(obs.max_val - obs.min_val) / obs.bins
+    zero = -float(obs.min_val) / w
+    start, stop = torch.meshgrid(torch.arange(0, int(zero) + 1), torch.arange(int(zero) + 1, n + 1), indexing="ij")
+    start, stop = start.reshape(-1), stop.reshape(-1)
+    ok = stop - start >= 256
+    h, _ = hs.kl_histogram(obs.histogram, float(obs.min_val), float(obs.max_val), symmetric=False)
+    kl = hs.kl_divergence(h, start[ok], stop[ok], 256)
+    best = float(kl.min())
+    chosen = hs.kl_divergence(h, torch.tensor([round((lo - float(obs.min_val)) / w)]),
+                              torch.tensor([round((hi - float(obs.min_val)) / w)]), 256)
+    assert float(chosen) <= best * 1.02 + 1e-9, f"searched KL {float(chosen):.6f} vs exhaustive {best:.6f}"
+
+
+# --- MSE ------------------------------------------------------------------------
+@pytest.mark.parametrize("scheme", [SYM, AFF], ids=["symmetric", "affine"])
+def test_mse_range_beats_minmax_on_heavy_tails(scheme):
+    x = _sample("student_t", 200_000)
+    mse_obs = _observe(HistogramObserver(method="mse", **scheme), x)
+    mm_obs = _observe(MinMaxObserver(**scheme), x)
+    ours, minmax = _measured_mse(x, mse_obs), _measured_mse(x, mm_obs)
+    assert ours < 0.8 * minmax, f"MSE-searched range error {ours:.4g} vs min-max {minmax:.4g}"
+
+
+@pytest.mark.parametrize("scheme", [SYM, AFF], ids=["symmetric", "affine"])
+def test_mse_range_is_near_the_best_measured_threshold(scheme):
+    x = _sample("laplace", 100_000)
+    obs = _observe(HistogramObserver(method="mse", **scheme), x)
+    ours = _measured_mse(x, obs)
+    best = float("inf")
+    lo, hi = float(obs.min_val), float(obs.max_val)
+    for f in np.linspace(0.05, 1.0, 96):  # brute force on the data, one range at a time
+        ref = MinMaxObserver(**scheme)
+        ref(torch.tensor([lo * f, hi * f]))
+        best = min(best, _measured_mse(x, ref))
+    assert ours <= best * 1.01, f"searched range error {ours:.5g} vs brute-force best {best:.5g}"
+
+
+@pytest.mark.parametrize("dist", ["laplace", "student_t"])
+def test_mse_threshold_close_to_per_candidate_reference(dist):
+    x = _sample(dist, 200_000)
+    obs = _observe(HistogramObserver(method="mse", **SYM), x)
+    lo, hi = obs.min_val.double().view(1), obs.max_val.double().view(1)
+    abs_hist, amax = hs.abs_histogram(obs.histogram[None], lo, hi)
+    ref = mse_threshold_reference(abs_hist[0].numpy(), float(amax))
+    # the reference rounds bin centres, we integrate over bins; the optimum is flat, so
+    # the two agree to ~1% (2% allowed)
+    ours = float(obs._min_max()[1])
+    assert abs(ours - ref) <= 0.02 * ref, f"{dist}: MSE threshold {ours:.4f} vs reference {ref:.4f}"
+
+
+def test_mse_error_matches_quadrature_of_the_histogram():
+    # the expected error of the uniform-within-bin model, integrated numerically
+    g = torch.Generator().manual_seed(1)
+    hist = torch.rand(1, 300, generator=g, dtype=torch.float64) * (torch.rand(1, 300, generator=g) > 0.3)
+    lo, hi = _t64(-1.3), _t64(2.1)
+    scale = torch.tensor([[0.004, 0.011, 0.02]], dtype=torch.float64)
+    zp = torch.tensor([[100.0, 128.0, 60.0]], dtype=torch.float64)
+    ours = hs.mse_error(hs._Moments(hist, lo, hi), scale, zp, 0, 255)[0]
+    w = 3.4 / 300
+    pts = (torch.arange(300 * 400, dtype=torch.float64) + 0.5) * (w / 400) - 1.3  # 400 points per bin
+    weight = hist[0].repeat_interleave(400) / 400
+    for k in range(3):
+        s, z = float(scale[0, k]), float(zp[0, k])
+        fq = (torch.round(pts / s + z).clamp(0, 255) - z) * s
+        ref = float((weight * (pts - fq) ** 2).sum() / weight.sum())
+        assert abs(float(ours[k]) - ref) <= 2e-3 * ref, f"candidate {k}: {float(ours[k]):.6g} vs {ref:.6g}"
+
+
+def test_kl_ignores_a_spike_of_exact_zeros():
+    x = _sample("gaussian", 200_000).abs()
+    relu = torch.cat([x, torch.zeros(200_000)])  # ReLU output: half exact zeros
+    ts = [float(_observe(HistogramObserver(method="kl", **AFF), d)._min_max()[1]) for d in (x, relu)]
+    w = float(x.max()) / 2048
+    assert abs(ts[0] - ts[1]) <= 4 * w, f"KL range top {ts[1]:.4f} with zeros vs {ts[0]:.4f} without"
+
+
+def test_per_channel_mse_matches_brute_force_per_row():
+    w = _sample("student_t", 32 * 4096, seed=2).view(32, 4096) * torch.linspace(0.1, 1, 32)[:, None]
+    kw = dict(dtype=torch.int8, qscheme=torch.per_channel_symmetric)
+    ours = _measured_mse(w, _observe(PerChannelMSEObserver(**kw), w, 1))
+    minmax = _measured_mse(w, _observe(PerChannelMinMaxObserver(**kw), w, 1))
+    amax = w.abs().amax(1, keepdim=True)
+    errs = []
+    for f in np.linspace(0.3, 1.0, 141):  # one shrink factor at a time, every row at once
+        s = amax * f / 127.5
+        fq = torch.clamp(torch.round(w / s), -128, 127) * s
+        errs.append((fq - w).double().pow(2).mean(1))
+    best = float(torch.stack(errs).min(0).values.mean())
+    assert ours <= minmax and ours <= best * 1.01, f"per-channel MSE {ours:.5g}, brute force {best:.5g}, min-max {minmax:.5g}"
+
+
+# --- percentile -----------------------------------------------------------------
+def test_percentile_matches_torch_quantile():
+    x = _sample("gaussian", 200_000)
+    sym = _observe(HistogramObserver(method="percentile", percentile=99.0, **SYM), x)
+    aff = _observe(HistogramObserver(method="percentile", percentile=99.0, **AFF), x)
+    w = float(sym.max_val - sym.min_val) / sym.bins
+    assert abs(float(sym._min_max()[1]) - float(torch.quantile(x.abs(), 0.99))) <= w
+    lo, hi = aff._min_max()
+    assert abs(float(lo) - float(torch.quantile(x, 0.01))) <= w
+    assert abs(float(hi) - float(torch.quantile(x, 0.99))) <= w
+
+
+# --- merge and rebinning ----------------------------------------------------------
+@pytest.mark.parametrize("scheme", [SYM, AFF], ids=["symmetric", "affine"])
+def test_minmax_merge_of_halves_is_exact(scheme):
+    x = _sample("student_t", 100_000)
+    a, b = MinMaxObserver(**scheme), MinMaxObserver(**scheme)
+    a(x[:50_000])
+    b(x[50_000:])
+    whole = MinMaxObserver(**scheme)
+    whole(x)
+    for ours, ref in zip(a.merge(b).calculate_qparams(), whole.calculate_qparams()):
+        assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("scheme", [SYM, AFF], ids=["symmetric", "affine"])
+def test_histogram_merge_of_halves_within_one_bin(method, scheme):
+    x = _sample("laplace", 200_000, seed=3)
+    whole = _observe(HistogramObserver(method=method, **scheme), x, 8)
+    a = _observe(HistogramObserver(method=method, **scheme), x[:100_000])
+    b = _observe(HistogramObserver(method=method, **scheme), x[100_000:])
+    a.merge(b)
+    assert float(a.histogram.sum()) == pytest.approx(x.numel(), rel=1e-12)
+    w = float(whole.max_val - whole.min_val) / whole.bins
+    if scheme is AFF and method != "percentile":
+        # two ends to choose and integer zero points make the affine optimum flat (many
+        # ranges within 0.1% of the best), so compare what the ranges achieve
+        if method == "kl":
+            h, _ = hs.kl_histogram(whole.histogram, float(whole.min_val), float(whole.max_val), False)
+            bins = [torch.tensor([round((float(v) - float(whole.min_val)) / w)]) for o in (a, whole)
+                    for v in o._min_max()]
+            ours = float(hs.kl_divergence(h, bins[0], bins[1], 256))
+            ref = float(hs.kl_divergence(h, bins[2], bins[3], 256))
+        else:
+            ours, ref = _measured_mse(x, a), _measured_mse(x, whole)
+        assert ours <= ref * 1.02 + 1e-12, f"{method}: merged {ours:.6g} vs whole {ref:.6g}"
+        return
+    for ours, ref in zip(a._min_max(), whole._min_max()):
+        assert abs(float(ours) - float(ref)) <= w, f"{method}: merged {float(ours):.5f} vs whole {float(ref):.5f}"
+
+
+def test_per_channel_mse_merge_of_halves_within_one_bin():
+    x = torch.randn(16, 4000)
+    kw = dict(dtype=torch.int8, qscheme=torch.per_channel_symmetric)
+    whole = _observe(PerChannelMSEObserver(**kw), x, 1)
+    a = _observe(PerChannelMSEObserver(**kw), x[:, :2000], 1)
+    b = _observe(PerChannelMSEObserver(**kw), x[:, 2000:], 1)
+    a.merge(b)
+    w = (whole.max_val - whole.min_val) / whole.bins
+    assert bool(((a._min_max()[1] - whole._min_max()[1]).abs() <= w).all())
+
+
+def test_rebinning_preserves_mass_and_shape():
+    obs = HistogramObserver(bins=256)
+    x = torch.randn(50_000)
+    for scale in (0.1, 1.0, 5.0, 25.0):  # every batch widens the range
+        obs(x * scale)
+    assert float(obs.histogram.sum()) == pytest.approx(4 * x.numel(), rel=1e-12)
+    assert bool((obs.histogram >= 0).all())
+    # merging bins in aligned pairs is exact
+    h = torch.rand(1, 64, dtype=torch.float64)
+    wide = hs.rebin(h, _t64(0), _t64(1), _t64(0), _t64(2))
+    torch.testing.assert_close(wide[0, :32], h[0].view(32, 2).sum(1))
+    assert float(wide[0, 32:].abs().max()) < 1e-12
+    # a point mass (constant tensor) lands in the bin that holds it
+    point = hs.rebin(torch.tensor([[10.0, 0.0]], dtype=torch.float64), _t64(0.5), _t64(0.5), _t64(0), _t64(1))
+    torch.testing.assert_close(point, torch.tensor([[0.0, 10.0]], dtype=torch.float64))
+
+
+def test_constant_and_state_dict_roundtrip():
+    obs = HistogramObserver(method="kl", **AFF)
+    obs(torch.zeros(100))
+    scale, zp = obs.calculate_qparams()
+    assert torch.isfinite(scale).all() and float(scale) > 0
+    obs(torch.randn(1000))
+    fresh = HistogramObserver(method="kl", **AFF)
+    fresh.load_state_dict(obs.state_dict())
+    for a, b in zip(fresh.calculate_qparams(), obs.calculate_qparams()):
+        assert torch.equal(a, b)
+    pc = _observe(PerChannelMSEObserver(), torch.randn(8, 100), 1)
+    pc2 = PerChannelMSEObserver()
+    pc2.load_state_dict(pc.state_dict())
+    torch.testing.assert_close(pc2.histogram, pc.histogram)
+
+
+# --- errors and registry ----------------------------------------------------------
+def test_nan_names_the_node():
+    obs = HistogramObserver(method="mse")
+    obs.node_name = "linear_3"
+    with pytest.raises(CalibrationError, match="linear_3.*NaN"):
+        obs(torch.tensor([1.0, float("nan")]))
+
+
+def test_bad_arguments_raise_value_error():
+    with pytest.raises(ValueError, match=r"unknown histogram method 'entropy'.*\['kl', 'mse', 'l2', 'percentile'\]"):
+        HistogramObserver(method="entropy")
+    with pytest.raises(ValueError, match="bins must be an integer >= 2, got 1"):
+        HistogramObserver(bins=1)
+    with pytest.raises(ValueError, match="percentile must be in"):
+        HistogramObserver(method="percentile", percentile=0)
+    with pytest.raises(ValueError, match="per tensor"):
+        HistogramObserver(qscheme=torch.per_channel_affine)
+    with pytest.raises(ValueError, match="per-channel qscheme"):
+        PerChannelMSEObserver(qscheme=torch.per_tensor_affine)
+    a, b = HistogramObserver(bins=64), HistogramObserver(bins=128)
+    a(torch.randn(10))
+    b(torch.randn(10))
+    with pytest.raises(ValueError, match="64 and 128 bins"):
+        a.merge(b)
+
+
+@pytest.mark.parametrize("name,method", [("kl", "kl"), ("mse", "mse"), ("L2", "l2"),
+                                         ("percentile", "percentile"), ("histogram", "mse")])
+def test_registered_names(name, method):
+    obs = get(name)(**AFF)
+    assert isinstance(obs, HistogramObserver) and obs.method.value == method
+
+
+@pytest.mark.parametrize("act", ["kl", "mse", "percentile"])
+def test_pipeline_with_histogram_observers(act):
+    model, x = make_mlp()
+    cfg = QuantConfig(act_observer=act, weight_observer="per_channel_mse")
+    prepared = quantkit.prepare(quantkit.capture(model, (x[:8],)), W8A8Quantizer(cfg))
+    quantkit.calibrate(prepared, [(b,) for b in x.split(32)], progress=False)
+    q = quantkit.convert(prepared)
+    with torch.no_grad():
+        db = sqnr(model(x), q(x))
+    assert db >= 30, f"{act}: SQNR {db:.1f} dB"
+
+
+def test_transformer_histogram_observers_match_minmax_quality():
+    model, x = make_transformer()
+    results = {}
+    for act in ("minmax", "mse"):
+        prepared = quantkit.prepare(quantkit.capture(model, (x[:8],)), W8A8Quantizer(QuantConfig(act_observer=act)))
+        quantkit.calibrate(prepared, [(b,) for b in x.split(16)], progress=False)
+        with torch.no_grad():
+            results[act] = sqnr(model(x), quantkit.convert(prepared)(x))
+    assert results["mse"] >= results["minmax"] - 1.0, results
