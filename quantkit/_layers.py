@@ -24,9 +24,10 @@ __all__ = ["Layer", "find_layers", "KeepFloat", "gemm_flops", "int8_fraction", "
 aten = torch.ops.aten
 _QD = torch.ops.quantized_decomposed
 
-QUANTIZE_OPS = {_QD.quantize_per_tensor.default, _QD.quantize_per_tensor.tensor, _QD.quantize_per_channel.default}
+QUANTIZE_OPS = {_QD.quantize_per_tensor.default, _QD.quantize_per_tensor.tensor, _QD.quantize_per_channel.default,
+                _QD.quantize_per_token.default}
 DEQUANTIZE_OPS = {_QD.dequantize_per_tensor.default, _QD.dequantize_per_tensor.tensor,
-                  _QD.dequantize_per_channel.default}
+                  _QD.dequantize_per_channel.default, _QD.dequantize_per_token.default}
 
 _FAMILIES = {
     aten.linear.default: "linear",

@@ -33,7 +33,7 @@ from ._qmath import dequantize
 __all__ = ["compare", "LayerReport", "LayerRow", "ActivationRange"]
 
 _QD = torch.ops.quantized_decomposed
-_CHOOSE = {_QD.choose_qparams.tensor, _QD.choose_qparams_symmetric.tensor}
+_CHOOSE = {_QD.choose_qparams.tensor, _QD.choose_qparams_symmetric.tensor, _QD.choose_qparams_per_token.default}
 
 
 @dataclass(frozen=True)

@@ -117,3 +117,16 @@ def test_compare_errors():
         quantkit.debug.compare(model, qmodel, [])
     with pytest.raises(TypeError, match="iterable of batches"):
         quantkit.debug.compare(model, qmodel, x[:8])
+
+
+@pytest.mark.parametrize("granularity", ["per-tensor", "per-token"])
+def test_compare_dynamic_quantization(granularity):
+    from quantkit.quantizers import QuantConfig, W8A8Quantizer
+
+    model, x = make_mlp()
+    quantizer = W8A8Quantizer(QuantConfig(dynamic=True, granularity=granularity))
+    qmodel = quantkit.quantize(model, (x[:8],), [x[:64]], quantizer, progress=False)
+    report = quantkit.debug.compare(model, qmodel, [x[64:128]])
+    assert [r.layer.module for r in report.rows] == ["fc1", "fc2", "fc3"]
+    assert all(r.inputs[0].q_range is None and r.clipped == 0.0 for r in report.rows)  # ranges chosen per batch
+    assert all(30 < r.sqnr < 80 for r in report.rows), str(report)
