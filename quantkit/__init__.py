@@ -10,6 +10,9 @@ The flow::
 or ``quantkit.quantize(model, example_inputs, calib_batches)`` for all four;
 ``quantkit.save(qmodel, dir)`` / ``quantkit.load(dir)`` write and read a deployable
 int8 directory (the ``quantkit`` command line does it all from a checkpoint).
+
+Accuracy tools: ``quantkit.debug.compare`` (per-layer numerics), ``quantkit.sensitivity``,
+``quantkit.auto_fallback`` (float fallback to an accuracy budget), ``quantkit.smooth_quant``.
 """
 
 from . import _quiet  # noqa: F401  (first: imports torchao without its import-time log noise)
@@ -21,6 +24,10 @@ from ._compile import compile
 from ._convert import convert
 from ._errors import CalibrationError, CaptureError, ConvertError, QuantkitError
 from ._prepare import prepare
+from ._sensitivity import sensitivity
+from ._fallback import auto_fallback
+from ._smoothquant import smooth_quant
+from . import debug, metrics
 
 __version__ = "0.1.0"
 
@@ -33,6 +40,11 @@ __all__ = [
     "quantize",
     "save",
     "load",
+    "debug",
+    "metrics",
+    "sensitivity",
+    "auto_fallback",
+    "smooth_quant",
     "QuantkitError",
     "CaptureError",
     "CalibrationError",

@@ -1,0 +1,300 @@
+"""smooth_quant: move activation outliers into the weights before quantizing (Xiao et al. 2022).
+
+For a linear ``y = x W^T`` and a per-input-channel factor ``s``,
+``y = (x / s) (W s)^T`` exactly; with ``s_j = max|x_j|^α / max|W_:,j|^(1−α)`` the
+activation's outlier channels shrink and the weight's columns grow, so both quantize
+well. ``1/s`` is folded into the op that produces ``x`` when ``x`` feeds only the
+linears being smoothed (a LayerNorm/RMSNorm's affine parameters, or a linear's output
+rows); otherwise an explicit ``x * (1/s)`` is inserted before them.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ._calibrate import run_batches
+from ._capture import capture
+from ._layers import DEQUANTIZE_OPS, layer_of
+from ._metrics import reiterable
+from ._qmath import choose_qparams, fake_quantize
+
+__all__ = ["smooth_quant", "parse_alpha", "SMOOTHQUANT_META_KEY"]
+
+aten = torch.ops.aten
+_NORMS = {aten.layer_norm.default: (2, 3)}  # target -> indices of (weight, bias) among args
+if hasattr(aten, "rms_norm"):
+    _NORMS[aten.rms_norm.default] = (2, None)
+
+# gm.meta entry: one record per smoothed group of linears
+SMOOTHQUANT_META_KEY = "quantkit_smoothquant"
+
+# alpha="auto" grid: 0, 0.05, ..., 1 (the SmoothQuant paper sweeps 0.4–0.9; the full
+# range costs little), plus "no smoothing" so a layer is never made worse
+_AUTO_GRID = [None] + [i / 20 for i in range(21)]
+# activation rows kept per group for the alpha search
+_AUTO_ROWS = 1024
+# bounds on s: keep 1/s and W·s finite in float32
+_S_MIN, _S_MAX = 1e-5, 1e5
+
+
+def parse_alpha(text: str) -> float | str:
+    """Parse a CLI value for ``--smoothquant``: a number in [0, 1] or ``auto``.
+
+    Raises:
+        ValueError: anything else.
+    """
+    value = str(text).strip().lower()
+    if value == "auto":
+        return "auto"
+    try:
+        alpha = float(value)
+    except ValueError:
+        raise ValueError(f"--smoothquant expects a number in [0, 1] or 'auto', got {text!r}") from None
+    return _check_alpha(alpha)
+
+
+def _check_alpha(alpha) -> float | str:
+    if alpha == "auto":
+        return alpha
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise TypeError(f"alpha must be a number in [0, 1] or 'auto', got {alpha!r}")
+    if not (0.0 <= alpha <= 1.0):
+        raise ValueError(f"alpha must be in [0, 1] (or 'auto'), got {alpha}")
+    return float(alpha)
+
+
+@dataclass
+class _Group:
+    source: Node
+    linears: list[Node]
+
+
+def _attr(gm: GraphModule, node: Node) -> torch.Tensor:
+    obj = gm
+    for atom in str(node.target).split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def _own_attr(node, counts: dict) -> bool:
+    """``node`` is a get_attr used by one node only, and no other get_attr reads the same tensor."""
+    return isinstance(node, Node) and node.op == "get_attr" and len(node.users) == 1 and counts[str(node.target)] == 1
+
+
+def _groups(gm: GraphModule) -> list[_Group]:
+    counts: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            counts[str(n.target)] = counts.get(str(n.target), 0) + 1
+    groups = []
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and val.dtype == torch.float32):
+            continue
+        linears = [u for u in node.users if u.op == "call_function" and u.target is aten.linear.default
+                   and u.args[0] is node and _own_attr(u.args[1], counts)
+                   and (len(u.args) < 3 or u.args[2] is None or _own_attr(u.args[2], counts))]
+        if linears:
+            groups.append(_Group(node, linears))
+    return groups
+
+
+class _ChannelStats(torch.nn.Module):
+    """Per-channel (last dim) min and max of everything seen, and a sample of rows."""
+
+    def __init__(self, keep_rows: int) -> None:
+        super().__init__()
+        self.min = self.max = None
+        self.keep_rows = keep_rows
+        self.rows: list[torch.Tensor] = []
+        self.kept = 0
+        self.gen = torch.Generator().manual_seed(0)
+
+    def forward(self, x):
+        flat = x.detach().reshape(-1, x.shape[-1]).float()
+        if flat.numel():
+            mn, mx = flat.amin(0), flat.amax(0)
+            self.min = mn if self.min is None else torch.minimum(self.min, mn)
+            self.max = mx if self.max is None else torch.maximum(self.max, mx)
+            take = min(self.keep_rows - self.kept, flat.shape[0], max(self.keep_rows // 4, 1))
+            if take > 0:
+                idx = torch.randperm(flat.shape[0], generator=self.gen)[:take]
+                self.rows.append(flat[idx].cpu())
+                self.kept += take
+        return x
+
+
+def _collect(gm: GraphModule, groups: list[_Group], data: Iterable, keep_rows: int) -> list[_ChannelStats]:
+    tapped = copy.deepcopy(gm)
+    nodes = {n.name: n for n in tapped.graph.nodes}
+    stats = []
+    for i, group in enumerate(groups):
+        mod = _ChannelStats(keep_rows)
+        tapped.add_submodule(f"_qk_smooth_stats_{i}", mod)
+        src = nodes[group.source.name]
+        with tapped.graph.inserting_after(src):
+            tap = tapped.graph.call_module(f"_qk_smooth_stats_{i}", (src,))
+        for user in list(src.users):
+            if user is not tap:
+                user.replace_input_with(src, tap)
+        stats.append(mod)
+    tapped.recompile()
+    n = run_batches(tapped, data, progress=False, max_batches=None, desc="smoothquant", what="calibration")
+    if n == 0:
+        raise ValueError("calibration data is empty; pass at least one batch")
+    return stats
+
+
+def _scales(act_max: torch.Tensor, w_max: torch.Tensor, alpha: float | None) -> torch.Tensor:
+    if alpha is None:
+        return torch.ones_like(act_max)
+    s = act_max.pow(alpha) / w_max.pow(1 - alpha)
+    s = torch.where((act_max > 0) & (w_max > 0), s, torch.ones_like(s))
+    return s.clamp(_S_MIN, _S_MAX)
+
+
+def _w8a8_error(rows, mn, mx, weights, s) -> float:
+    """Squared output error of the smoothed linears under quantkit's default W8A8
+    scheme: per-tensor affine uint8 activations, per-channel symmetric int8 weights."""
+    s = s.float()
+    xs = rows / s
+    scale, zp = choose_qparams((mn / s).min(), (mx / s).max(), qscheme=torch.per_tensor_affine,
+                               dtype=torch.uint8, quant_min=0, quant_max=255)
+    xq = fake_quantize(xs, scale, zp, 0, 255, torch.uint8)
+    err = 0.0
+    for w in weights:
+        ws = w * s
+        wscale, wzp = choose_qparams(ws.amin(1), ws.amax(1), qscheme=torch.per_channel_symmetric,
+                                     dtype=torch.int8, quant_min=-128, quant_max=127)
+        wq = fake_quantize(ws, wscale, wzp, -128, 127, torch.int8, axis=0)
+        err += float((rows @ w.T - xq @ wq.T).double().pow(2).sum())
+    return err
+
+
+def _fold_target(gm: GraphModule, group: _Group, counts: dict) -> tuple[str, list[tuple[torch.Tensor, bool]]] | None:
+    """Where ``1/s`` can be folded: (kind, [(tensor, scale_rows), ...]), or None."""
+    src = group.source
+    if set(src.users) != set(group.linears) or src.op != "call_function":
+        return None
+    if src.target in _NORMS:
+        wi, bi = _NORMS[src.target]
+        w = src.args[wi] if len(src.args) > wi else None
+        b = src.args[bi] if bi is not None and len(src.args) > bi else None
+        if not _own_attr(w, counts) or (b is not None and not _own_attr(b, counts)):
+            return None
+        return "norm", [(_attr(gm, w), False)] + ([(_attr(gm, b), False)] if b is not None else [])
+    if src.target is aten.linear.default:
+        w = src.args[1]
+        b = src.args[2] if len(src.args) > 2 else None
+        if not _own_attr(w, counts) or (b is not None and not _own_attr(b, counts)):
+            return None
+        return "linear", [(_attr(gm, w), True)] + ([(_attr(gm, b), False)] if b is not None else [])
+    return None
+
+
+def _insert_mul(gm: GraphModule, group: _Group, inv_s: torch.Tensor, index: int) -> None:
+    name = f"_qk_smooth_inv_{index}"
+    while hasattr(gm, name):
+        index += 1
+        name = f"_qk_smooth_inv_{index}"
+    gm.register_buffer(name, inv_s)
+    src = group.source
+    with gm.graph.inserting_after(src):
+        inv = gm.graph.get_attr(name)
+    with gm.graph.inserting_after(inv):
+        mul = gm.graph.call_function(aten.mul.Tensor, (src, inv))
+    # the quantizer reads shapes and module scopes from node meta
+    mul.meta["val"] = src.meta["val"]
+    stack = group.linears[0].meta.get("nn_module_stack")
+    if stack is not None:
+        mul.meta["nn_module_stack"] = dict(stack)
+    for lin in group.linears:
+        lin.replace_input_with(src, mul)
+
+
+def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | str = 0.5, *,
+                 example_inputs=None) -> GraphModule:
+    """Return a captured copy of ``model`` with activation outliers moved into linear weights.
+
+    The result computes the same function in float (up to rounding); quantize it as
+    usual: ``quantkit.quantize(smooth_quant(model, calib), example_inputs, calib)``.
+
+    Args:
+        model: the float model, or a GraphModule from :func:`quantkit.capture`
+            (it is copied, never modified).
+        calib_data: calibration batches; per-channel activation ranges come from them.
+        alpha: migration strength in [0, 1] (0.5 in the paper), or ``"auto"`` to pick,
+            per group of linears sharing an input, the α in 0, 0.05, …, 1 (or no
+            smoothing) with the least W8A8 output error on calibration activations.
+        example_inputs: batch to capture ``model`` with (default: the first
+            calibration batch).
+
+    Returns:
+        The smoothed GraphModule. ``gm.meta["quantkit_smoothquant"]`` lists each
+        smoothed group: its linears, modules, α and where ``1/s`` went
+        (``"norm"``, ``"linear"`` or ``"mul"``).
+
+    Example:
+        >>> smoothed = quantkit.smooth_quant(model, calib, alpha=0.5)
+        >>> qmodel = quantkit.quantize(smoothed, (x[:8],), calib)
+    """
+    alpha = _check_alpha(alpha)
+    data = reiterable(calib_data, "calibration")
+    if isinstance(model, GraphModule):
+        if model.meta.get("quantkit_prepared") or any(
+                n.op == "call_function" and n.target in DEQUANTIZE_OPS for n in model.graph.nodes):
+            raise TypeError("smooth_quant expects a float model; apply it before quantkit.prepare/quantize")
+        gm = copy.deepcopy(model)
+    elif isinstance(model, torch.nn.Module):
+        if example_inputs is None:
+            example_inputs = next(iter(data), None)
+            if example_inputs is None:
+                raise ValueError("calibration data is empty; pass at least one batch")
+        gm = copy.deepcopy(capture(model, example_inputs))
+    else:
+        raise TypeError(f"smooth_quant expects a torch.nn.Module, got {type(model).__name__}")
+
+    groups = _groups(gm)
+    stats = _collect(gm, groups, data, _AUTO_ROWS if alpha == "auto" else 0) if groups else []
+    counts: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            counts[str(n.target)] = counts.get(str(n.target), 0) + 1
+    records = []
+    for i, (group, st) in enumerate(zip(groups, stats)):
+        if st.min is None:
+            continue  # never reached by calibration
+        weights = [_attr(gm, lin.args[1]).detach() for lin in group.linears]
+        act_max = torch.maximum(st.min.abs(), st.max.abs()).double()
+        w_max = torch.stack([w.abs().amax(0) for w in weights]).amax(0).double()
+        chosen = alpha
+        if alpha == "auto":
+            rows = torch.cat(st.rows)
+            errors = [_w8a8_error(rows, st.min, st.max, weights, _scales(act_max, w_max, a)) for a in _AUTO_GRID]
+            chosen = _AUTO_GRID[min(range(len(errors)), key=errors.__getitem__)]
+        layers = [layer_of(lin) for lin in group.linears]
+        record = {"layers": [l.name for l in layers], "modules": [l.module for l in layers], "alpha": chosen}
+        if chosen is None:
+            records.append({**record, "folded_into": None})
+            continue
+        s = _scales(act_max, w_max, chosen).float()
+        target = _fold_target(gm, group, counts)
+        with torch.no_grad():
+            for lin in group.linears:
+                _attr(gm, lin.args[1]).mul_(s)
+            if target is None:
+                _insert_mul(gm, group, (1.0 / s).to(st.min.device), i)
+                kind = "mul"
+            else:
+                kind, tensors = target
+                for t, rows_axis in tensors:
+                    t.div_(s[:, None] if rows_axis else s)
+        records.append({**record, "folded_into": kind if kind == "mul" else f"{kind}:{group.source.name}"})
+    gm.recompile()
+    gm.meta[SMOOTHQUANT_META_KEY] = records
+    return gm

@@ -1,0 +1,121 @@
+"""smooth_quant: float no-op, the scale formula, folding vs explicit mul, and the SQNR gain."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import quantkit
+from quantkit._qmath import sqnr
+from quantkit._smoothquant import SMOOTHQUANT_META_KEY, parse_alpha
+from tests.models import make_transformer
+from tests.outlier_models import make_channel_outliers
+
+aten = torch.ops.aten
+
+
+class _Chain(nn.Module):
+    """fc_a feeds fc_b alone (fold into fc_a's rows); fc_b's output feeds fc_c and a residual (mul)."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.fc_a, self.fc_b, self.fc_c = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        with torch.no_grad():
+            self.fc_a.weight[:3] *= 30
+
+    def forward(self, x):
+        y = self.fc_b(self.fc_a(x))
+        return y + self.fc_c(y)
+
+
+def _count(gm, op):
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is op)
+
+
+def _split(x):
+    return list(x[:128].split(32)), x[128:]
+
+
+@pytest.mark.parametrize("alpha", [0.5, "auto"])
+def test_smoothquant_raises_w8a8_sqnr_and_is_a_float_noop(alpha):
+    model, x = make_channel_outliers()
+    calib, test = _split(x)
+    smoothed = quantkit.smooth_quant(model, calib, alpha=alpha)
+    with torch.no_grad():
+        ref = model(test)
+        diff = (smoothed(test) - ref).abs().max().item()
+        assert diff <= 1e-5, f"smoothed float model differs by {diff:.3g}"
+        base = sqnr(ref, quantkit.quantize(model, (x[:8],), calib, progress=False)(test))
+        smooth = sqnr(ref, quantkit.quantize(smoothed, (x[:8],), calib, progress=False)(test))
+    assert smooth - base >= 6.0, f"W8A8 SQNR {base:.2f} dB -> {smooth:.2f} dB with SmoothQuant (alpha={alpha})"
+    records = smoothed.meta[SMOOTHQUANT_META_KEY]
+    assert [r["modules"] for r in records] == [["fc1"], ["fc2"]]
+    assert all(r["alpha"] is None or 0 <= r["alpha"] <= 1 for r in records)
+
+
+def test_scales_follow_the_formula_and_fold_into_layernorm():
+    model, x = make_channel_outliers()
+    calib, _ = _split(x)
+    alpha = 0.5
+    smoothed = quantkit.smooth_quant(model, calib, alpha=alpha)
+    with torch.no_grad():
+        acts = torch.cat([model.ln(b).reshape(-1, 64) for b in calib])
+    act_max = acts.abs().amax(0).double()
+    w = model.fc1.weight.detach()
+    s_ref = act_max.pow(alpha) / w.abs().amax(0).double().pow(1 - alpha)
+    s = smoothed.get_parameter("fc1.weight") / w  # column j scaled by s_j
+    torch.testing.assert_close(s, s_ref.float().expand_as(s), rtol=1e-5, atol=0)
+    torch.testing.assert_close(smoothed.get_parameter("ln.weight"), model.ln.weight / s_ref.float(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(smoothed.get_parameter("ln.bias"), model.ln.bias / s_ref.float(), rtol=1e-6, atol=0)
+    # fc1 folded into the LayerNorm (no op added); fc2 (after a ReLU) needs one mul
+    assert _count(smoothed, aten.mul.Tensor) == 1
+    assert [r["folded_into"] for r in smoothed.meta[SMOOTHQUANT_META_KEY]] == ["norm:layer_norm", "mul"]
+    # the original model is untouched
+    assert model.ln.weight[:4].eq(50).all() and model.ln.weight[4:].eq(1).all()
+
+
+def test_fold_into_linear_and_mul_for_shared_inputs():
+    torch.manual_seed(0)
+    model, x = _Chain().eval(), torch.randn(160, 32)
+    calib, test = _split(x)
+    smoothed = quantkit.smooth_quant(model, calib, alpha=0.5)
+    kinds = {tuple(r["modules"]): r["folded_into"] for r in smoothed.meta[SMOOTHQUANT_META_KEY]}
+    assert kinds == {("fc_a",): "mul", ("fc_b",): "linear:linear", ("fc_c",): "mul"}
+    assert _count(smoothed, aten.mul.Tensor) == 2
+    with torch.no_grad():
+        assert (smoothed(test) - model(test)).abs().max().item() <= 1e-5
+    # the inserted muls are quantized like any linear input
+    q = quantkit.quantize(copy.deepcopy(smoothed), (x[:8],), calib, progress=False)  # prepare consumes its input
+    report = quantkit.debug.compare(smoothed, q, [test])
+    assert [r.layer.module for r in report.rows] == ["fc_a", "fc_b", "fc_c"]
+
+
+def test_transformer_graph_input_and_auto():
+    model, x = make_transformer()
+    gm = quantkit.capture(model, (x[:8],))
+    before = {k: v.clone() for k, v in gm.state_dict().items()}
+    smoothed = quantkit.smooth_quant(gm, [x[:16], x[16:]], alpha="auto")
+    assert all(torch.equal(before[k], v) for k, v in gm.state_dict().items())  # input not modified
+    with torch.no_grad():
+        assert (smoothed(x) - model(x)).abs().max().item() <= 1e-5
+    assert len(smoothed.meta[SMOOTHQUANT_META_KEY]) == 4  # qkv, proj, fc1, fc2
+
+
+def test_parse_alpha_and_errors():
+    assert parse_alpha("auto") == "auto" and parse_alpha(" AUTO ") == "auto"
+    assert parse_alpha("0.75") == 0.75
+    with pytest.raises(ValueError, match=r"--smoothquant expects a number in \[0, 1\] or 'auto', got 'half'"):
+        parse_alpha("half")
+    with pytest.raises(ValueError, match="alpha must be in"):
+        parse_alpha("1.5")
+    model, x = make_channel_outliers()
+    with pytest.raises(ValueError, match="alpha must be in"):
+        quantkit.smooth_quant(model, [x[:8]], alpha=-0.1)
+    with pytest.raises(TypeError, match="alpha must be a number"):
+        quantkit.smooth_quant(model, [x[:8]], alpha="0.5")
+    with pytest.raises(ValueError, match="calibration data is empty"):
+        quantkit.smooth_quant(model, [])
+    q = quantkit.quantize(model, (x[:8],), [x[:8]], progress=False)
+    with pytest.raises(TypeError, match="before quantkit.prepare"):
+        quantkit.smooth_quant(q, [x[:8]])
