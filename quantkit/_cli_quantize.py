@@ -41,9 +41,14 @@ class Recipe:
     observer: str = "minmax"
     weight_observer: str = "per_channel_minmax"
     skip: tuple[str, ...] = ()
+    smoothquant: float | str | None = None
+    accuracy_budget: float | None = None
+    metric: str = "cosine"
 
     def __post_init__(self) -> None:
         from quantkit import observers
+        from quantkit._metrics import resolve_metric
+        from quantkit._smoothquant import parse_alpha
 
         object.__setattr__(self, "scheme", Scheme(self.scheme))
         for flag, name in (("--observer", self.observer), ("--weight-observer", self.weight_observer)):
@@ -53,10 +58,21 @@ class Recipe:
                 raise inputs.UsageError(
                     f"unknown observer {name!r} for {flag}; available: {', '.join(observers.available())}"
                 ) from None
+        try:
+            if self.smoothquant is not None:
+                object.__setattr__(self, "smoothquant", parse_alpha(str(self.smoothquant)))
+            if self.accuracy_budget is not None and not self.accuracy_budget >= 0:
+                raise ValueError(f"--accuracy-budget must be a non-negative drop, got {self.accuracy_budget}")
+            if self.accuracy_budget is not None:
+                resolve_metric(self.metric)
+        except (ValueError, TypeError) as exc:
+            raise inputs.UsageError(str(exc).splitlines()[0]) from None
 
     def to_json(self) -> dict:
         return {"scheme": self.scheme.value, "observer": self.observer,
-                "weight_observer": self.weight_observer, "skip": list(self.skip)}
+                "weight_observer": self.weight_observer, "skip": list(self.skip),
+                "smoothquant": self.smoothquant, "accuracy_budget": self.accuracy_budget,
+                "metric": self.metric if self.accuracy_budget is not None else None}
 
     def quantizer(self, module_names: list[str]):
         """W8A8 for linear/conv/matmul plus weight-only int8 embeddings; ``skip`` patterns stay float."""
@@ -116,7 +132,8 @@ def _check(args, recipe: Recipe):
 
 def run_quantize(args, say) -> int:
     recipe = Recipe(scheme=args.scheme, observer=args.observer or "minmax",
-                    weight_observer=args.weight_observer, skip=tuple(args.skip or ()))
+                    weight_observer=args.weight_observer, skip=tuple(args.skip or ()),
+                    smoothquant=args.smoothquant, accuracy_budget=args.accuracy_budget, metric=args.metric)
     spec, data, out = _check(args, recipe)
     progress = not args.quiet
     clock = _Clock()
@@ -147,13 +164,25 @@ def run_quantize(args, say) -> int:
         else:
             gm = quantkit.capture(loaded.model, loaded.example)
     t = clock.lap("capture", t)
-    # issue 6 hooks in here: float-model transforms (--smoothquant) before prepare, and
-    # per-layer fallback (--accuracy-budget) after convert, both recorded in the recipe
-    prepared = quantkit.prepare(gm, quantizer)
-    quantkit.calibrate(prepared, calib, progress=progress)
-    t = clock.lap("calibrate", t)
-    qmodel = quantkit.convert(prepared)
-    t = clock.lap("convert", t)
+    if recipe.smoothquant is not None:
+        gm = quantkit.smooth_quant(gm, calib, alpha=recipe.smoothquant)
+        t = clock.lap("smoothquant", t)
+    fallback = None
+    if recipe.accuracy_budget is not None:
+        # the budget is measured on the calibration samples; the report's held-out metric stays independent
+        qmodel, fallback = quantkit.auto_fallback(gm, calib[0], calib, calib, recipe.metric,
+                                                  recipe.accuracy_budget, quantizer=quantizer, progress=progress)
+        t = clock.lap("auto_fallback", t)
+        if not qmodel.meta.get("quantkit_converted"):
+            raise QuantkitError(f"--accuracy-budget {recipe.accuracy_budget:g} keeps every layer float "
+                                f"(all-int8 drop {fallback.reference - fallback.quantized_score:.3g}); "
+                                "raise the budget or quantize without it")
+    else:
+        prepared = quantkit.prepare(gm, quantizer)
+        quantkit.calibrate(prepared, calib, progress=progress)
+        t = clock.lap("calibrate", t)
+        qmodel = quantkit.convert(prepared)
+        t = clock.lap("convert", t)
 
     encoder = report.is_encoder_batch(heldout[0])
     ref = report.outputs_of(loaded.model, heldout, progress=progress, desc="float model")
@@ -190,6 +219,10 @@ def run_quantize(args, say) -> int:
             "layers": layers,
             "versions": doc["versions"],
         }
+        if fallback is not None:
+            rep["fallback"] = {"kept_float": [layer.label for layer in fallback.float_layers],
+                               "drop": fallback.drop, "budget": fallback.budget, "met": fallback.met,
+                               "int8_gemm_fraction": fallback.int8_gemm_fraction}
         _artifact.write_json(tmp / REPORT_JSON, rep)
         (tmp / REPORT_MD).write_text(report.render_report(rep), encoding="utf-8")
     say(f"wrote {out}: {metric['name']} mean {metric['mean_cosine']:.4f} (min {metric['min_cosine']:.4f}) "

@@ -60,7 +60,14 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="weight observer (default per_channel_minmax)")
     recipe.add_argument("--skip", nargs="+", action="extend", metavar="PATTERN",
                         help="keep modules whose names match these fnmatch patterns in float, e.g. 'pooler*'")
-    # issue 6 adds an "accuracy" group here (--accuracy-budget, --smoothquant)
+    acc = q.add_argument_group("accuracy")
+    acc.add_argument("--smoothquant", metavar="ALPHA|auto",
+                     help="SmoothQuant before quantizing: migration strength in [0, 1], or 'auto' per layer")
+    acc.add_argument("--accuracy-budget", type=float, metavar="DROP",
+                     help="keep the fewest layers float so the metric drops by at most DROP "
+                          "(measured on the calibration samples), e.g. 0.002")
+    acc.add_argument("--metric", default="cosine", metavar="NAME",
+                     help="metric for --accuracy-budget: cosine (default), kl, top1, or module:function")
     q.add_argument("--force", action="store_true", help="replace DIR if it holds a quantkit artifact")
     q.add_argument("--quiet", action="store_true", help="no progress bars or summary")
 

@@ -399,3 +399,41 @@ def test_eval_and_inspect_reject_non_artifacts(tmp_path, capsys):
     for cmd in (["eval", str(tmp_path)], ["inspect", str(tmp_path)], ["eval", str(tmp_path / "nope")]):
         assert main(cmd) == 1
         assert "quantkit" in _error_line(capsys.readouterr().err)
+
+
+def test_smoothquant_and_accuracy_budget(mlp_inputs, tmp_path, capsys):
+    weights, calib = mlp_inputs
+    out = tmp_path / "mlp-fallback"
+    assert main(_factory_args(weights, calib, out, "--smoothquant", "auto", "--accuracy-budget", "1e-3")) == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["recipe"]["smoothquant"] == "auto" and rep["recipe"]["accuracy_budget"] == 1e-3
+    fb = rep["fallback"]
+    assert fb["met"] and fb["drop"] <= 1e-3, fb
+    assert 0.0 <= fb["int8_gemm_fraction"] <= 1.0
+    # the artifact still loads and matches its own report
+    capsys.readouterr()
+    assert main(["eval", str(out), "--json", "--quiet"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["metric"]["mean_cosine"] == pytest.approx(rep["metric"]["mean_cosine"], abs=1e-6)
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--smoothquant", "2"], "alpha"),
+    (["--accuracy-budget", "-1"], "--accuracy-budget"),
+    (["--accuracy-budget", "0.01", "--metric", "nope"], "nope"),
+])
+def test_accuracy_flags_bad_usage(mlp_inputs, tmp_path, capsys, extra, needle):
+    weights, calib = mlp_inputs
+    out = tmp_path / "bad"
+    assert main(_factory_args(weights, calib, out, *extra)) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert needle in line
+    assert not out.exists()
+
+
+def test_accuracy_budget_that_keeps_everything_float_fails_cleanly(mlp_inputs, tmp_path, capsys):
+    weights, calib = mlp_inputs
+    out = tmp_path / "allfloat"
+    assert main(_factory_args(weights, calib, out, "--accuracy-budget", "0")) == 1
+    assert "keeps every layer float" in _error_line(capsys.readouterr().err)
+    assert not out.exists()
