@@ -85,7 +85,8 @@ def test_default_quantize_artifact(default_artifact):
     assert all(r["weight"].startswith("int8") for r in layers.values())
     assert all(r["sqnr_db"] > 10 for r in layers.values()), layers
     doc = json.loads((out / "quantization.json").read_text())
-    assert doc["recipe"] == {"scheme": "w8a8", "observer": "minmax", "weight_observer": "per_channel_minmax", "skip": []}
+    assert doc["recipe"] == {"scheme": "w8a8", "observer": "minmax", "weight_observer": "per_channel_minmax", "skip": [],
+                             "smoothquant": None, "accuracy_budget": None, "metric": None}
     assert {"quantkit", "torch", "torchao"} <= set(doc["versions"])
     weights = [t for t in doc["tensors"] if t["kind"] == "weight"]
     assert len(weights) == len(layers)
