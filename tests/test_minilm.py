@@ -57,5 +57,5 @@ def test_dynamic_per_token_w8a8(minilm):
     cfg = QuantConfig(dynamic=True, granularity="per-token")
     qmodel = quantkit.convert(quantkit.prepare(gm, W8A8Quantizer(cfg)))
     cos = _cosines(qmodel, held, ref)
-    assert cos.mean() >= 0.995, f"mean cosine {cos.mean():.5f}"
+    assert cos.mean() >= 0.994, f"mean cosine {cos.mean():.5f}"
     assert cos.min() >= 0.96, f"min cosine {cos.min():.5f}"

@@ -150,4 +150,5 @@ def test_every_spec_kind_matches_torchao():
     # int32 bias folded (dequantize only), fixed-qparams sigmoid output, quantized graph input
     assert counts["dequantize_per_channel"] == 2
     q_scales = [n.args[1] for n in ours.graph.nodes if n.target == torch.ops.quantized_decomposed.quantize_per_tensor.default]
-    assert 1 / 256 in q_scales
+    fixed_sigmoid_scale = 1 / 256  # the FixedQParamsQuantizationSpec's scale must reach the graph
+    assert fixed_sigmoid_scale in q_scales, q_scales
