@@ -130,15 +130,22 @@ class W8A8Quantizer(Quantizer):
 
     # --- specs ----------------------------------------------------------------------
     @staticmethod
-    def act_spec(config: QuantConfig) -> QuantizationSpec:
+    def act_spec(config: QuantConfig, *, per_token_ok: bool = False) -> QuantizationSpec:
+        """Activation spec. Per-token scales apply only where the last dimension is the
+        GEMM's reduction dimension (linear inputs, a matmul's left operand): elsewhere a
+        scale per row would vary along K and could not be factored out of an int8 GEMM."""
         scheme = config.activation
         lo, hi = scheme.qrange
         ctor = get_observer("placeholder" if config.dynamic else config.act_observer)
-        if config.granularity is Granularity.PER_TOKEN:
+        per_token = per_token_ok and config.granularity is Granularity.PER_TOKEN
+        if per_token:
             ctor = ctor.with_args(per_token=True)
         return QuantizationSpec(
             dtype=scheme.dtype, quant_min=lo, quant_max=hi, qscheme=scheme.qscheme,
             is_dynamic=config.dynamic, observer_or_fake_quant_ctr=ctor,
+            # ch_axis only keeps implicit sharing from merging a per-token edge with a
+            # per-tensor edge of the same tensor; the placeholder observer does not take it
+            ch_axis=1 if per_token else None,
         )
 
     @staticmethod
@@ -176,14 +183,15 @@ class W8A8Quantizer(Quantizer):
         x, w = node.args[0], node.args[1]
         if not (_is_float_tensor(x) and isinstance(w, Node)):
             return
-        qmap = {x: self.act_spec(config), w: self.weight_spec(config)}
+        qmap = {x: self.act_spec(config, per_token_ok=node.target in _LINEAR), w: self.weight_spec(config)}
         node.meta[_ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=qmap, _annotated=True)
 
     def _annotate_inputs(self, node: Node, config: QuantConfig, inputs) -> None:
         if len(inputs) < 2 or not all(_is_float_tensor(a) for a in inputs):
             return
-        spec = self.act_spec(config)
-        qmap = {a: spec for a in inputs}
+        qmap = {a: self.act_spec(config) for a in inputs}
+        if node.target in _MATMUL:
+            qmap[inputs[0]] = self.act_spec(config, per_token_ok=True)
         node.meta[_ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=qmap, _annotated=True)
 
     def _propagate(self, model: GraphModule) -> None:

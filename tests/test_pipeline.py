@@ -271,9 +271,11 @@ def test_dynamic_per_token_variant():
     cfg = QuantConfig(dynamic=True, granularity="per-token")
     qmodel = quantkit.quantize(model, (x[:4],), [(x[:4],)], W8A8Quantizer(cfg), progress=False)
     c = _counts(qmodel)
-    # 4 linears + 2 attention matmuls (2 inputs each): 8 per-token quantized activations
-    assert c["choose_qparams_per_token.default"] == 8
-    assert c["quantize_per_token.default"] == 8 and c["dequantize_per_token.default"] == 8
+    # per token where the last dim is the GEMM's K: 4 linear inputs + the 2 attention matmuls'
+    # left operands; their right operands (K is not last) stay per-tensor dynamic
+    assert c["choose_qparams_per_token.default"] == 6
+    assert c["quantize_per_token.default"] == 6 and c["dequantize_per_token.default"] == 6
+    assert c["choose_qparams_symmetric.tensor"] == 2
     assert c["dequantize_per_channel.default"] == 4
     per_tensor = quantkit.quantize(model, (x[:4],), [(x[:4],)], W8A8Quantizer(dynamic=True), progress=False)
     with torch.no_grad():
@@ -289,3 +291,16 @@ def test_per_token_config_validation():
         QuantConfig(dynamic=True, granularity="per-token", activation="affine-uint8")
     with pytest.raises(ValueError, match="unknown granularity"):
         QuantConfig(granularity="per-row")
+
+
+def test_per_token_never_applies_to_conv_inputs():
+    model, x = make_cnn()
+    cfg = QuantConfig(dynamic=True, granularity="per-token")
+    qmodel = quantkit.quantize(model, (x[:8],), [(x[:8],)], W8A8Quantizer(cfg), progress=False)
+    c = _counts(qmodel)
+    # 5 convs quantize per tensor (a scale per row of the last dim would vary along the channels
+    # they reduce over); only the linear head's input is per token
+    assert c["choose_qparams_per_token.default"] == 1
+    assert c["choose_qparams_symmetric.tensor"] == 5
+    with torch.no_grad():
+        assert sqnr(model(x), qmodel(x)) >= 30
