@@ -8,9 +8,9 @@ import torch
 from torch.fx import GraphModule, Node
 from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, QuantizationSpec, Quantizer
 
+from quantkit._scopes import module_scopes
 from quantkit.observers import get as get_observer
 
-from ._w8a8 import _strip
 
 __all__ = ["EmbeddingQuantizer"]
 
@@ -55,9 +55,7 @@ class EmbeddingQuantizer(Quantizer):
         return self
 
     def _skipped(self, node: Node) -> bool:
-        stack = node.meta.get("nn_module_stack") or {}
-        for fqn, _ in stack.values():
-            fqn = _strip(fqn)
+        for fqn, _ in module_scopes(node):
             if any(fqn == s or fqn.startswith(s + ".") for s in self.skipped):
                 return True
         return False

@@ -13,6 +13,7 @@ from torchao.quantization.pt2e.quantizer import (
     SharedQuantizationSpec,
 )
 
+from quantkit._scopes import module_scopes, type_name
 from quantkit.observers import get as get_observer
 
 from ._config import Granularity, QuantConfig
@@ -44,17 +45,6 @@ def _is_float_tensor(arg) -> bool:
         return False
     val = arg.meta.get("val")
     return isinstance(val, torch.Tensor) and val.is_floating_point()
-
-
-def _strip(fqn: str) -> str:
-    for prefix in ("L['self'].", "L__self__."):
-        if fqn.startswith(prefix):
-            fqn = fqn[len(prefix):]
-    return fqn
-
-
-def _type_name(t) -> str:
-    return t if isinstance(t, str) else f"{t.__module__}.{t.__qualname__}"
 
 
 class W8A8Quantizer(Quantizer):
@@ -102,7 +92,7 @@ class W8A8Quantizer(Quantizer):
         """Config for ops inside modules of ``module_type`` (e.g. ``torch.nn.Linear``); None keeps them float."""
         if not isinstance(module_type, type):
             raise TypeError(f"module_type must be a class such as torch.nn.Linear, got {module_type!r}")
-        self.module_type_config[_type_name(module_type)] = self._check(config)
+        self.module_type_config[type_name(module_type)] = self._check(config)
         return self
 
     def set_module_name(self, module_name: str, config: Optional[QuantConfig]) -> "W8A8Quantizer":
@@ -114,8 +104,7 @@ class W8A8Quantizer(Quantizer):
 
     def config_for(self, node: Node) -> Optional[QuantConfig]:
         """The config that applies to ``node``: module name, then module type, then global."""
-        stack = node.meta.get("nn_module_stack") or {}
-        scopes = [(_strip(fqn), _type_name(t)) for fqn, t in stack.values()]
+        scopes = module_scopes(node)
         best, best_len = None, -1
         for name, cfg in self.module_name_config.items():
             for fqn, _ in scopes:

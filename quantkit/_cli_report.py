@@ -12,6 +12,7 @@ from torch.fx import GraphModule
 
 from . import _hf
 from ._inputs import call_model
+from ._scopes import module_scopes
 
 __all__ = ["outputs_of", "compare", "layer_sqnr", "render_report", "render_table", "sqnr_db"]
 
@@ -92,22 +93,15 @@ def compare(ref: torch.Tensor, approx: torch.Tensor, *, encoder: bool) -> dict:
     }
 
 
-def _strip(fqn: str) -> str:
-    for prefix in ("L['self'].", "L__self__."):
-        if fqn.startswith(prefix):
-            fqn = fqn[len(prefix):]
-    return fqn
-
-
 def _layer_nodes(gm: GraphModule) -> dict[str, torch.fx.Node]:
     """Innermost module name → its linear/conv/embedding node (first one if a module has several)."""
     out = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in _LAYER_OPS:
             continue
-        stack = node.meta.get("nn_module_stack") or {}
-        if stack:
-            name = _strip(list(stack.values())[-1][0])
+        scopes = module_scopes(node)
+        if scopes:
+            name = scopes[-1][0]
             out.setdefault(name, node)
     return out
 

@@ -12,23 +12,21 @@ from ._errors import ConvertError
 from ._prepare import is_observer_node
 from ._qmath import is_per_channel, underlying_dtype
 
-__all__ = ["convert", "QPARAMS_META_KEY"]
+__all__ = ["convert", "QPARAMS_META_KEY", "QUANTIZE_OPS", "DEQUANTIZE_OPS"]
 
 # gm.meta entry listing every quantized tensor with its qparams (used by reports)
 QPARAMS_META_KEY = "quantkit_qparams"
 
 _OPS = torch.ops.quantized_decomposed
-_QUANTIZE_OPS = (
-    _OPS.quantize_per_tensor.default,
-    _OPS.quantize_per_tensor.tensor,
-    _OPS.quantize_per_channel.default,
-)
-_DEQUANTIZE_OPS = (
-    _OPS.dequantize_per_tensor.default,
-    _OPS.dequantize_per_tensor.tensor,
-    _OPS.dequantize_per_channel.default,
-    _OPS.dequantize_per_token.default,
-)
+# every quantize/dequantize op convert emits (the debug and accuracy tools use these too)
+QUANTIZE_OPS = frozenset({
+    _OPS.quantize_per_tensor.default, _OPS.quantize_per_tensor.tensor,
+    _OPS.quantize_per_channel.default, _OPS.quantize_per_token.default,
+})
+DEQUANTIZE_OPS = frozenset({
+    _OPS.dequantize_per_tensor.default, _OPS.dequantize_per_tensor.tensor,
+    _OPS.dequantize_per_channel.default, _OPS.dequantize_per_token.default,
+})
 _CHOOSE_QPARAMS = {
     torch.per_tensor_affine: _OPS.choose_qparams.tensor,
     torch.per_tensor_symmetric: _OPS.choose_qparams_symmetric.tensor,
@@ -168,7 +166,7 @@ class _Converter:
 def _duplicate_dequantize(gm: GraphModule) -> None:
     """Give every consumer of a dequantize its own copy (the pattern Inductor matches)."""
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _DEQUANTIZE_OPS or len(node.users) <= 1:
+        if node.op != "call_function" or node.target not in DEQUANTIZE_OPS or len(node.users) <= 1:
             continue
         for user in list(node.users)[1:]:
             with gm.graph.inserting_after(node):

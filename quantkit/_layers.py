@@ -16,18 +16,15 @@ import torch
 from torch.fx import GraphModule, Node
 from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, Quantizer
 
+from ._convert import DEQUANTIZE_OPS, QUANTIZE_OPS
 from ._inputs import call_model
+from ._scopes import module_scopes
 from ._sharing import ANNOTATION_KEY
 
 __all__ = ["Layer", "find_layers", "KeepFloat", "gemm_flops", "int8_fraction", "DEQUANTIZE_OPS", "QUANTIZE_OPS"]
 
 aten = torch.ops.aten
-_QD = torch.ops.quantized_decomposed
 
-QUANTIZE_OPS = {_QD.quantize_per_tensor.default, _QD.quantize_per_tensor.tensor, _QD.quantize_per_channel.default,
-                _QD.quantize_per_token.default}
-DEQUANTIZE_OPS = {_QD.dequantize_per_tensor.default, _QD.dequantize_per_tensor.tensor,
-                  _QD.dequantize_per_channel.default, _QD.dequantize_per_token.default}
 
 _FAMILIES = {
     aten.linear.default: "linear",
@@ -63,20 +60,9 @@ class Layer:
         return f"{self.module} ({self.name})" if self.module else self.name
 
 
-def _strip(fqn: str) -> str:
-    for prefix in ("L['self'].", "L__self__."):
-        if fqn.startswith(prefix):
-            fqn = fqn[len(prefix):]
-    return fqn
-
-
 def layer_of(node: Node) -> Layer:
-    stack = node.meta.get("nn_module_stack") or {}
-    fqn, mtype = "", ""
-    if stack:
-        fqn, mtype = list(stack.values())[-1]
-        mtype = mtype if isinstance(mtype, str) else f"{mtype.__module__}.{mtype.__qualname__}"
-    fqn = _strip(str(fqn))
+    scopes = module_scopes(node)
+    fqn, mtype = scopes[-1] if scopes else ("", "")
     if fqn.startswith("_empty_nn_module_stack"):
         fqn, mtype = "", ""
     return Layer(node.name, _FAMILIES.get(node.target, str(node.target)), fqn, mtype.rsplit(".", 1)[-1])
