@@ -11,7 +11,7 @@ output into its input tensor (the residual add is done in place on the graph inp
 silently fed every later variant a different input (measured: quantkit's block at 13 dB and
 1.8 ms after torchao's run, 49.8 dB alone). A variant that mutates its inputs is noted.
 
-    python benchmarks/bench_models.py [--models mlp,block,minilm] [--reps 10]
+    python benchmarks/bench_models.py [--models mlp,block,minilm] [--reps N]
 """
 
 from __future__ import annotations
@@ -115,8 +115,9 @@ def _torchao(model, inputs, calib):
     return run
 
 
-def _quantkit(model, inputs, calib, cpu_kernels, activation="affine-uint8"):
-    p = quantkit.prepare(quantkit.capture(model, inputs), W8A8Quantizer(QuantConfig(activation=activation)))
+def _quantkit(model, inputs, calib, cpu_kernels, activation="affine-uint8", ops=None):
+    cfg = QuantConfig(activation=activation) if ops is None else QuantConfig(activation=activation, ops=ops)
+    p = quantkit.prepare(quantkit.capture(model, inputs), W8A8Quantizer(cfg))
     quantkit.calibrate(p, calib, progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -133,13 +134,24 @@ def bench(name: str, reps: int) -> list[str]:
     variants["fp32 eager"] = model
     variants["fp32 compiled"] = torch.compile(copy.deepcopy(model))
     # each int8 flow gets its own copy of the model: export/prepare must not leak between them
-    for label, build in [
+    linear = frozenset({"linear"})
+    builds = [
         ("torchao PT2E int8 compiled", lambda: _torchao(copy.deepcopy(model), inputs, calib)),
         ("quantkit int8 compiled (auto)", lambda: _quantkit(copy.deepcopy(model), inputs, calib, "auto")),
         ("quantkit int8 compiled (onednn forced)", lambda: _quantkit(copy.deepcopy(model), inputs, calib, "onednn")),
         ("quantkit int8 compiled (7-bit act, auto)",
          lambda: _quantkit(copy.deepcopy(model), inputs, calib, "auto", "affine-uint7")),
-    ]:
+    ]
+    if name == "block":
+        # torchao's X86InductorQuantizer leaves the attention matmuls float (Inductor then
+        # matches them into one SDPA kernel); the same coverage in quantkit:
+        builds += [
+            ("quantkit int8 compiled (linear only, onednn forced, 8-bit)",
+             lambda: _quantkit(copy.deepcopy(model), inputs, calib, "onednn", ops=linear)),
+            ("quantkit int8 compiled (linear only, 7-bit act, auto)",
+             lambda: _quantkit(copy.deepcopy(model), inputs, calib, "auto", "affine-uint7", ops=linear)),
+        ]
+    for label, build in builds:
         try:
             variants[label] = build()
         except Exception as e:  # record and go on: e.g. torchao's quantizer on MiniLM
@@ -162,7 +174,7 @@ def bench(name: str, reps: int) -> list[str]:
                 f(*args)
                 times[k].append(time.perf_counter() - t)
     base = statistics.median(times["fp32 eager"])
-    rows = [f"| {name} | {k} | {statistics.median(v) * 1e3:.1f} | {base / statistics.median(v):.2f}x | "
+    rows = [f"| {name} | {k} | {statistics.median(v) * 1e3:.2f} | {base / statistics.median(v):.2f}x | "
             f"{quality[k]} |" for k, v in times.items()]
     return rows + [f"| {name} | note | {n} | | |" for n in notes]
 
@@ -170,7 +182,8 @@ def bench(name: str, reps: int) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="mlp,block,minilm")
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=None,
+                    help="timed rounds per model (default: mlp 20, block 300, minilm 5)")
     args = ap.parse_args()
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model_name = next((l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("Model name")), "?")
@@ -179,7 +192,8 @@ def main() -> None:
     print("| model | variant | median ms | speed vs fp32 eager | SQNR vs float (dB) [/ embedding cosine] |")
     print("|---|---|---|---|---|")
     for name in args.models.split(","):
-        for row in bench(name, args.reps):
+        reps = args.reps or {"mlp": 20, "block": 300, "minilm": 5}[name]
+        for row in bench(name, reps):
             print(row, flush=True)
 
 

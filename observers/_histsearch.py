@@ -33,11 +33,11 @@ __all__ = [
 
 _F64 = torch.float64
 # stages of the coarse-to-fine grid, as (first offset, step, number of points): the
-# first stage scans clip fractions 0 .. 127/128 (1D) or 0 .. 15/16 (2D); each later
+# first stage scans clip fractions 0 .. 127/128 (1D) or 0 .. 7/8 (2D); each later
 # stage scans a window one previous step wide on either side of the best point so
 # far, down to steps of 1/2048 of the range (one bin at the default 2048 bins).
 _STAGES_1D = ((0, 1 / 128, 128), (-16, 1 / 2048, 33))
-_STAGES_2D = ((0, 1 / 16, 16), (-8, 1 / 128, 17), (-8, 1 / 1024, 17), (-2, 1 / 2048, 5))
+_STAGES_2D = ((0, 1 / 8, 8), (-4, 1 / 32, 9), (-4, 1 / 128, 9), (-4, 1 / 512, 9), (-4, 1 / 2048, 9))
 # KL candidates cost O(1) each, so its 2D search starts from a finer grid
 _STAGES_KL_2D = ((0, 1 / 64, 64), (-8, 1 / 512, 17), (-4, 1 / 2048, 9))
 

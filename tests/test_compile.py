@@ -38,6 +38,7 @@ QUANTIZERS = {
     "uint7": lambda: W8A8Quantizer(QuantConfig(activation="affine-uint7")),
     "symmetric": lambda: W8A8Quantizer(QuantConfig(activation="symmetric-int8")),
     "dynamic": lambda: W8A8Quantizer(dynamic=True),
+    "per-token": lambda: W8A8Quantizer(QuantConfig(dynamic=True, granularity="per-token")),
 }
 
 
@@ -53,6 +54,9 @@ def test_triton_lowering_mlp_fuses_relu_and_requant(scheme):
     if scheme == "uint7":  # the Triton epilogue clamps to the full dtype range: no 0..127 requant fusion
         assert [n.args[7] for n in ops] == [torch.float32] * 3
         assert _count(gm, Q.quantize_per_tensor.default) == 3
+    elif scheme == "per-token":  # one scale per row: the graph's choose_qparams_per_token feeds the op
+        assert [n.args[1].args[0].target for n in ops] == [Q.choose_qparams_per_token.default] * 3
+        assert _count(gm, Q.dequantize_per_token.default) == 0
     elif scheme != "dynamic":  # static: the next layer's quantize is fused into fc1 and fc2
         act = torch.int8 if scheme == "symmetric" else torch.uint8
         assert [n.args[7] for n in ops] == [act, act, torch.float32]
@@ -71,6 +75,21 @@ def test_triton_lowering_transformer_uses_int8_bmm_for_attention():
     assert _count(gm, torch.ops.quantkit.int8_bmm.default) == 2
     gelu = [n for n in gm.graph.nodes if n.target == torch.ops.quantkit.int8_linear.default and n.args[6] == "gelu"]
     assert len(gelu) == 1 and _count(gm, aten.gelu.default) == 0
+    with torch.no_grad():
+        ref, y = c(x), gm(x)
+    assert sqnr(ref, y) > 60, f"lowered vs reference SQNR {sqnr(ref, y):.1f} dB"
+
+
+def test_triton_lowering_per_token_transformer():
+    """Per-token linears become int8_linear with per-row scales; an attention matmul whose left
+    operand is per token keeps its reference q/dq (int8_bmm takes one scale per operand)."""
+    cfg = QuantConfig(dynamic=True, granularity="per-token")
+    c, x = _converted(make_transformer, W8A8Quantizer(cfg))
+    gm = copy.deepcopy(c)
+    assert lower(gm, "triton") == {"linear": 4, "matmul": 0}
+    assert _dq_fed(gm, {aten.linear.default}) == []
+    assert _count(gm, Q.dequantize_per_token.default) == 2  # the two matmuls' left operands
+    assert _count(gm, aten.matmul.default) == 2
     with torch.no_grad():
         ref, y = c(x), gm(x)
     assert sqnr(ref, y) > 60, f"lowered vs reference SQNR {sqnr(ref, y):.1f} dB"

@@ -36,7 +36,9 @@ class ActQ:
     """A quantized activation: the integer tensor and its per-tensor qparams.
 
     ``scale``/``zero_point`` are python numbers (static) or graph nodes (dynamic);
-    ``symmetric`` means the zero point is known to be 0 (int8 from choose_qparams_symmetric).
+    ``symmetric`` means the zero point is known to be 0 (int8 from choose_qparams_symmetric
+    or choose_qparams_per_token). ``per_token``: ``scale`` is a ``[..., 1]`` node, one scale
+    per row of the last dimension.
     """
 
     q: Node
@@ -45,6 +47,7 @@ class ActQ:
     dtype: torch.dtype
     dynamic: bool
     symmetric: bool
+    per_token: bool = False
 
 
 @dataclass
@@ -72,7 +75,29 @@ def _full_range(qmin, qmax, dtype) -> bool:
     return dtype in (torch.int8, torch.uint8) and (qmin, qmax) == default_qrange(dtype)
 
 
+def _getitem_source(node) -> Optional[Node]:
+    """The multi-output node that ``node = source[i]`` reads, else None."""
+    if isinstance(node, Node) and node.op == "call_function" and node.target is operator.getitem:
+        return node.args[0]
+    return None
+
+
+def _act_q_per_token(node: Node) -> Optional[ActQ]:
+    """``dequantize_per_token(q, scales, zps, ...)`` with qparams from ``choose_qparams_per_token``
+    (symmetric int8, zero points all 0): the form ``quantkit.convert`` emits for per-token layers."""
+    q, scale, zp, _, _, dtype = node.args[:6]
+    out_dtype = node.args[6] if len(node.args) > 6 else node.kwargs.get("output_dtype", torch.float32)
+    if dtype != torch.int8 or out_dtype != torch.float32 or len(node.users) != 1:
+        return None
+    choose = _getitem_source(scale)
+    if choose is None or choose is not _getitem_source(zp) or choose.target is not _Q.choose_qparams_per_token.default:
+        return None
+    return ActQ(q, scale, zp, dtype, dynamic=True, symmetric=True, per_token=True)
+
+
 def _act_q(node) -> Optional[ActQ]:
+    if isinstance(node, Node) and node.op == "call_function" and node.target is _Q.dequantize_per_token.default:
+        return _act_q_per_token(node)
     if not isinstance(node, Node) or node.op != "call_function" or node.target not in _DQ_ACT:
         return None
     if node.kwargs.get("out_dtype", torch.float32) != torch.float32 or len(node.users) != 1:
@@ -84,7 +109,7 @@ def _act_q(node) -> Optional[ActQ]:
     symmetric = False
     if dynamic:
         # zero point from choose_qparams_symmetric(int8) is 0 by construction
-        choose = zp.args[0] if isinstance(zp, Node) and zp.target is operator.getitem else None
+        choose = _getitem_source(zp)
         symmetric = (choose is not None and choose.target is _Q.choose_qparams_symmetric.tensor
                      and dtype == torch.int8)
     else:
@@ -151,11 +176,13 @@ def _val(node: Node):
 
 
 def match_matmul(node: Node) -> Optional[MatmulMatch]:
-    """Match ``matmul(dq(a), dq(b))`` of two quantized activations with equal batch dims (attention)."""
+    """Match ``matmul(dq(a), dq(b))`` of two per-tensor quantized activations with equal batch
+    dims (attention). A per-token left operand stays on the reference path: the batched
+    kernel takes one scale per operand."""
     if node.op != "call_function" or node.target not in (aten.matmul.default, aten.bmm.default):
         return None
     a, b = _act_q(node.args[0]), _act_q(node.args[1])
-    if a is None or b is None:
+    if a is None or b is None or a.per_token or b.per_token:
         return None
     sa, sb = _val(node.args[0]), _val(node.args[1])
     if sa is None or sb is None or sa.dim() < 3 or sa.dim() != sb.dim() or sa.shape[:-2] != sb.shape[:-2]:

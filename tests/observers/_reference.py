@@ -42,3 +42,21 @@ def mse_threshold_reference(abs_hist, amax: float, quant_max: int = 127) -> floa
         fq = np.clip(np.round(centres / s), -quant_max - 1, quant_max) * s
         errs.append(float((h * (centres - fq) ** 2).sum()))
     return (1 + int(np.argmin(errs))) * amax / n
+
+
+def mse_amax_torch_loop(abs_hist, amax: float, quant_max: int = 127, start_bin: int = 128) -> float:
+    """The MSE calibration loop of NVIDIA's pytorch-quantization / ModelOpt
+    (``_compute_amax_mse``), as those libraries run it: torch ops, one candidate at a
+    time, candidates at the bin centres from ``start_bin`` on, scale ``amax / quant_max``,
+    bin centres fake-quantized and weighted by their counts, one host read per candidate."""
+    import torch
+
+    counts = torch.as_tensor(abs_hist, dtype=torch.float32)
+    edges = torch.linspace(0, amax, len(counts) + 1, dtype=torch.float32)
+    centers = (edges[1:] + edges[:-1]) / 2
+    mses = []
+    for i in range(start_bin, len(centers)):
+        scale = centers[i] / quant_max
+        fq = torch.round(centers / scale).clamp(-quant_max - 1, quant_max) * scale
+        mses.append(float(((fq - centers) ** 2 * counts).mean()))
+    return float(centers[start_bin + int(np.argmin(mses))])
