@@ -29,6 +29,8 @@ _CONV = {
     aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding,
 }
 _MATMUL = {aten.matmul.default, aten.bmm.default, aten.mm.default}
+# addmm(bias, x, w[K, N]): HF's Conv1D (GPT-2) is a linear with its weight stored transposed
+_ADDMM = {aten.addmm.default}
 _ADD = {aten.add.Tensor}
 # ops that move values without changing them: quantization passes through them
 _PASSTHROUGH = {
@@ -138,14 +140,16 @@ class W8A8Quantizer(Quantizer):
         )
 
     @staticmethod
-    def weight_spec(config: QuantConfig) -> QuantizationSpec:
+    def weight_spec(config: QuantConfig, ch_axis: int = 0) -> QuantizationSpec:
+        """Weight spec; ``ch_axis`` is the output-channel axis (0 for ``linear``/conv
+        weights ``[N, K, ...]``, 1 for ``[K, N]`` weights of ``addmm``/``mm``)."""
         ctor = get_observer(config.weight_observer)
         cls = ctor.p.func if hasattr(ctor, "p") else ctor
         per_channel = "PerChannel" in getattr(cls, "__name__", "")
         return QuantizationSpec(
             dtype=torch.int8, quant_min=-128, quant_max=127,
             qscheme=torch.per_channel_symmetric if per_channel else torch.per_tensor_symmetric,
-            ch_axis=0, is_dynamic=False, observer_or_fake_quant_ctr=ctor,
+            ch_axis=ch_axis, is_dynamic=False, observer_or_fake_quant_ctr=ctor,
         )
 
     # --- annotation -----------------------------------------------------------------
@@ -161,8 +165,11 @@ class W8A8Quantizer(Quantizer):
                 self._annotate_weighted(node, config)
             elif target in _CONV and "conv" in config.ops:
                 self._annotate_weighted(node, config)
+            elif target in _ADDMM and "linear" in config.ops:
+                self._annotate_weight_right(node, config, node.args[1], node.args[2])
             elif target in _MATMUL and "matmul" in config.ops:
-                self._annotate_inputs(node, config, node.args[:2])
+                if not self._annotate_weight_right(node, config, *node.args[:2]):
+                    self._annotate_inputs(node, config, node.args[:2])
             elif target in _ADD and "add" in config.ops:
                 self._annotate_inputs(node, config, node.args[:2])
         self._propagate(model)
@@ -174,6 +181,16 @@ class W8A8Quantizer(Quantizer):
             return
         qmap = {x: self.act_spec(config, per_token_ok=node.target in _LINEAR), w: self.weight_spec(config)}
         node.meta[_ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=qmap, _annotated=True)
+
+    def _annotate_weight_right(self, node: Node, config: QuantConfig, x, w) -> bool:
+        """``x @ w`` with ``w`` a 2-D parameter ``[K, N]`` (``addmm``, ``mm``/``matmul`` by a
+        weight): ``x`` as an activation (per token where configured), ``w`` as a weight,
+        per output channel along dim 1. Returns whether it annotated."""
+        if not (_is_float_tensor(x) and _is_float_tensor(w) and w.op == "get_attr" and w.meta["val"].dim() == 2):
+            return False
+        qmap = {x: self.act_spec(config, per_token_ok=True), w: self.weight_spec(config, ch_axis=1)}
+        node.meta[_ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=qmap, _annotated=True)
+        return True
 
     def _annotate_inputs(self, node: Node, config: QuantConfig, inputs) -> None:
         if len(inputs) < 2 or not all(_is_float_tensor(a) for a in inputs):

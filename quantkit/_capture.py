@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -72,6 +73,22 @@ def _export(model, args, kwargs, dynamic_shapes):
     return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
 
 
+@contextlib.contextmanager
+def _without_kv_cache(model: torch.nn.Module, kwargs: dict):
+    """Trace HF models with ``config.use_cache`` off (restored afterwards): a KV cache
+    (``DynamicCache``) in the output is not an exportable type, and a quantization graph
+    computes one forward pass, not generation. An explicit ``use_cache`` input is kept."""
+    config = getattr(model, "config", None)
+    if "use_cache" in kwargs or getattr(config, "use_cache", None) is not True:
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
+
+
 def capture(model: torch.nn.Module, example_inputs: Any, *, dynamic_shapes=None) -> torch.fx.GraphModule:
     """Export ``model`` (in eval mode) with torch.export, non-strict.
 
@@ -81,6 +98,9 @@ def capture(model: torch.nn.Module, example_inputs: Any, *, dynamic_shapes=None)
             arguments (an HF tokenizer's output works as it is).
         dynamic_shapes: passed to torch.export. By default dim 0 of every tensor input is
             dynamic (``Dim.AUTO``), so calibration and inference batches may have any size.
+
+    HF models with ``config.use_cache`` (causal LMs) are traced without their KV cache
+    (the config is restored afterwards), unless ``use_cache`` is one of the inputs.
 
     Returns:
         The exported ``torch.fx.GraphModule``, ready for :func:`quantkit.prepare`.
@@ -100,16 +120,17 @@ def capture(model: torch.nn.Module, example_inputs: Any, *, dynamic_shapes=None)
         # as_args_kwargs gives either positional or keyword inputs, never both
         dynamic_shapes = _batch_dynamic(kwargs) if kwargs else _batch_dynamic(args)
     try:
-        ep = None
-        tensors = list(_tensors((args, kwargs)))
-        if not user_shapes and tensors and all(t.dim() > 0 and t.shape[0] == 1 for t in tensors):
-            # Dim.AUTO specialises a size-1 batch to 1; trace with the batch doubled so it stays dynamic
-            try:
-                ep = _export(model, _double_batch(args), _double_batch(kwargs), dynamic_shapes)
-            except Exception:
-                ep = None
-        if ep is None:
-            ep = _export(model, args, kwargs, dynamic_shapes)
+        with _without_kv_cache(model, kwargs):
+            ep = None
+            tensors = list(_tensors((args, kwargs)))
+            if not user_shapes and tensors and all(t.dim() > 0 and t.shape[0] == 1 for t in tensors):
+                # Dim.AUTO specialises a size-1 batch to 1; trace with the batch doubled so it stays dynamic
+                try:
+                    ep = _export(model, _double_batch(args), _double_batch(kwargs), dynamic_shapes)
+                except Exception:
+                    ep = None
+            if ep is None:
+                ep = _export(model, args, kwargs, dynamic_shapes)
     except Exception as exc:  # torch.export raises many types; summarise them all
         raise CaptureError(
             f"torch.export could not capture {type(model).__name__}: {_summarise(exc)}. Hint: {_hint(exc)}"

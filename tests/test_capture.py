@@ -76,3 +76,20 @@ def test_bad_arguments():
         quantkit.capture(lambda x: x, (torch.randn(2),))
     with pytest.raises(TypeError, match="a batch must be"):
         quantkit.capture(torch.nn.Identity(), 3.0)
+
+
+def test_causal_lm_is_captured_without_its_kv_cache():
+    """HF causal LMs return a DynamicCache by default, which torch.export cannot output:
+    capture traces them with config.use_cache off and restores the config."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=64, vocab_size=100)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    assert model.config.use_cache is True
+    ids = torch.randint(0, 100, (2, 7))
+    gm = quantkit.capture(model, {"input_ids": ids})
+    assert model.config.use_cache is True
+    other = torch.randint(0, 100, (3, 7))  # another batch size
+    with torch.no_grad():
+        assert torch.allclose(gm(input_ids=other).logits, model(input_ids=other).logits, atol=1e-5)

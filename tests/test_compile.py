@@ -204,3 +204,27 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_triton_lowering_kn_weights_addmm_and_matmul():
+    """addmm (HF Conv1D) and x @ W with [K, N] int8 weights become int8_linear on one
+    transposed int8 copy of each weight; the [K, N] originals are dropped."""
+    from tests.quantizers.test_w8a8_weights import KNLinear
+
+    torch.manual_seed(0)
+    m, x = KNLinear().eval(), torch.randn(64, 16)
+    p = quantkit.prepare(quantkit.capture(m, (x[:8],)), W8A8Quantizer())
+    quantkit.calibrate(p, [(b,) for b in x.split(16)], progress=False)
+    c = quantkit.convert(p)
+    gm = copy.deepcopy(c)
+    assert lower(gm, "triton") == {"linear": 2, "matmul": 0}
+    assert _count(gm, aten.addmm.default) == 0 and _count(gm, aten.matmul.default) == 0
+    ops = [n for n in gm.graph.nodes if n.target == torch.ops.quantkit.int8_linear.default]
+    assert [n.args[6] for n in ops] == ["relu", "none"]
+    weights = [getattr(gm, n.args[3].target) for n in ops]
+    assert [tuple(w.shape) for w in weights] == [(32, 16), (8, 32)] and all(w.dtype == torch.int8 for w in weights)
+    int8_bytes = lambda g: sum(b.numel() for b in g.buffers() if b.dtype == torch.int8)  # noqa: E731
+    assert int8_bytes(gm) == int8_bytes(c)
+    with torch.no_grad():
+        rel = float((gm(x) - c(x)).norm() / c(x).norm())
+    assert rel < 1e-3, f"lowered vs reference relative error {rel:.2e}"

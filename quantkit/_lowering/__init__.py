@@ -51,11 +51,14 @@ def lower(gm: GraphModule, target: Target | str) -> dict[str, int]:
         return counts
     counts = {"linear": 0, "matmul": 0}
     device = next((b.device for b in gm.buffers()), torch.device("cpu"))
+    transposed = set()  # [K, N] weights the kernels now read from a transposed copy
     for node in list(gm.graph.nodes):
         if node.graph is None:  # erased by an earlier rewrite
             continue
         m = match_linear(gm, node)
         if m is not None:
+            if m.weight_kn:
+                transposed.add(m.weight.target)
             new = _triton.emit_linear(gm, m)
             new.meta.update({k: v for k, v in m.output.meta.items() if k != "val"})
             m.output.replace_all_uses_with(new)
@@ -68,6 +71,10 @@ def lower(gm: GraphModule, target: Target | str) -> dict[str, int]:
             node.replace_all_uses_with(new)
             counts["matmul"] += 1
     gm.graph.eliminate_dead_code()
+    still_read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for target in transposed - still_read:  # drop the [K, N] originals: one int8 copy per weight
+        module, _, name = target.rpartition(".")
+        delattr(gm.get_submodule(module) if module else gm, name)
     gm.graph.lint()
     gm.recompile()
     return counts

@@ -58,6 +58,7 @@ class LinearMatch:
     w_scale: object              # get_attr of the float32 [N] scale, or a python float (per tensor)
     bias: Optional[Node]
     activation: str = "none"
+    weight_kn: bool = False        # weight stored [K, N] (addmm, HF Conv1D): transpose for the kernel
     out_dtype: torch.dtype = torch.float32
     out_scale: float = 1.0
     out_zero_point: int = 0
@@ -117,13 +118,16 @@ def _act_q(node) -> Optional[ActQ]:
     return ActQ(q, scale, zp, dtype, dynamic, symmetric)
 
 
-def _weight(gm: GraphModule, node) -> Optional[tuple[Node, object]]:
-    """(int8 weight get_attr, scale) for a symmetric int8 weight dequantize, else None."""
+def _weight(gm: GraphModule, node, axis_out: int = 0) -> Optional[tuple[Node, object]]:
+    """(int8 weight get_attr, scale) for a symmetric int8 weight dequantize, else None.
+
+    ``axis_out`` is the weight's output-channel dim: 0 for linear's ``[N, K]``, 1 for
+    addmm's ``[K, N]``; a per-channel scale must run along it."""
     if not isinstance(node, Node) or node.op != "call_function" or len(node.users) != 1:
         return None
     if node.target is _Q.dequantize_per_channel.default:
         w, scale, zp, axis, _, _, dtype = node.args[:7]
-        if axis != 0 or not all(isinstance(n, Node) and n.op == "get_attr" for n in (w, scale, zp)):
+        if axis != axis_out or not all(isinstance(n, Node) and n.op == "get_attr" for n in (w, scale, zp)):
             return None
         if bool(attr(gm, zp.target).any()):
             return None
@@ -143,15 +147,31 @@ def _single_user(node: Node) -> Optional[Node]:
 
 
 def match_linear(gm: GraphModule, node: Node, fuse_requant: bool = True) -> Optional[LinearMatch]:
-    """Match ``linear(dq(x), dq(w_int8), bias) [-> relu|gelu] [-> quantize_per_tensor]``."""
-    if node.op != "call_function" or node.target is not aten.linear.default:
+    """Match ``linear(dq(x), dq(w_int8), bias)``, ``addmm(bias, dq(x), dq(w_int8[K, N]))``
+    (HF Conv1D) or ``mm/matmul(dq(x), dq(w_int8[K, N]))``, then ``[-> relu|gelu]
+    [-> quantize_per_tensor]``."""
+    if node.op != "call_function":
         return None
-    x, w = node.args[:2]
-    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    act, weight = _act_q(x), _weight(gm, w)
+    if node.target is aten.linear.default:
+        x, w = node.args[:2]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        kn = False
+    elif node.target is aten.addmm.default:
+        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+            return None
+        bias, x, w = node.args[:3]
+        kn = True
+        if not (isinstance(bias, Node) and bias.op == "get_attr" and attr(gm, bias.target).dim() == 1):
+            return None
+    elif node.target in (aten.mm.default, aten.matmul.default) and len(node.args) == 2:
+        x, w = node.args  # x @ W with W a [K, N] parameter (an activation @ activation is match_matmul's)
+        bias, kn = None, True
+    else:
+        return None
+    act, weight = _act_q(x), _weight(gm, w, axis_out=1 if kn else 0)
     if act is None or weight is None:
         return None
-    m = LinearMatch(node, act, weight[0], weight[1], bias, output=node)
+    m = LinearMatch(node, act, weight[0], weight[1], bias, weight_kn=kn, output=node)
     user = _single_user(node)
     if user is not None and user.op == "call_function" and user.target in _ACTIVATIONS:
         approx = user.kwargs.get("approximate", user.args[1] if len(user.args) > 1 else "none")

@@ -43,6 +43,9 @@ def emit_linear(gm: GraphModule, m: LinearMatch) -> Node:
     weight = attr(gm, m.weight.target)
     device = weight.device
     scale, zp = _qparams(gm, m.act, m.linear, device)
+    w_node = m.weight
+    if m.weight_kn:  # [K, N] (addmm): the kernel takes [N, K]; keep one transposed int8 copy
+        w_node = _buffer(gm, "_qk_weight_nk_", weight.t().contiguous(), m.linear)
     if isinstance(m.w_scale, Node):
         w_scale = m.w_scale
     else:
@@ -50,7 +53,7 @@ def emit_linear(gm: GraphModule, m: LinearMatch) -> Node:
     with gm.graph.inserting_before(m.linear):
         return gm.graph.call_function(
             torch.ops.quantkit.int8_linear.default,
-            (m.act.q, scale, zp, m.weight, w_scale, m.bias, m.activation, m.out_dtype,
+            (m.act.q, scale, zp, w_node, w_scale, m.bias, m.activation, m.out_dtype,
              m.out_scale, m.out_zero_point),
         )
 
