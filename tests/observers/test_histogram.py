@@ -350,3 +350,15 @@ def test_transformer_histogram_observers_match_minmax_quality():
         with torch.no_grad():
             results[act] = sqnr(model(x), quantkit.convert(prepared)(x))
     assert results["mse"] >= results["minmax"] - 1.0, results
+
+
+def test_bincount_histogram_matches_histc():
+    from quantkit.observers._histogram import _counts
+
+    x = _sample("laplace", 300_000).float()
+    lo, hi = float(x.min()), float(x.max())
+    ours, ref = _counts(x, 2048, lo, hi).double(), torch.histc(x, 2048, lo, hi).double()
+    assert ours.sum() == ref.sum() == x.numel()
+    # values on a bin edge may fall one bin over: counts agree to a few per million elements
+    assert (ours - ref).abs().sum() <= 1e-4 * x.numel()
+    assert torch.equal(_counts(torch.tensor([lo, hi]), 4, lo, hi), torch.tensor([1, 0, 0, 1]))
