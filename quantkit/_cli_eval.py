@@ -39,7 +39,9 @@ def run_inspect(args, say) -> int:
     recipe, source = doc.get("recipe", {}), doc.get("source", {})
     size = (path / _artifact.MODEL_FILE).stat().st_size
     tensors = doc.get("tensors", [])
-    kinds = {k: sum(1 for t in tensors if t.get("kind") == k) for k in ("weight", "activation", "dynamic")}
+    # dynamic activations are "dynamic" (per tensor) or "dynamic-per-token"
+    kinds = {k: sum(1 for t in tensors if str(t.get("kind", "")).split("-per-")[0] == k)
+             for k in ("weight", "activation", "dynamic")}
     say(f"{path}")
     say(f"  model:    {rep.get('model') or source.get('model', {})}")
     say(f"  recipe:   " + ", ".join(f"{k}={v}" for k, v in recipe.items()) if recipe else "  recipe:   (saved from Python)")

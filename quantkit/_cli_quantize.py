@@ -31,6 +31,11 @@ class Scheme(str, Enum):
 
     W8A8 = "w8a8"  # static int8 weights (per channel) and uint8 activations (per tensor)
     W8A8_DYNAMIC = "w8a8-dynamic"  # int8 weights, activations quantized per batch at run time
+    W8A8_PER_TOKEN = "w8a8-per-token"  # int8 weights, activations quantized per token at run time
+
+    @property
+    def dynamic(self) -> bool:
+        return self is not Scheme.W8A8
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ class Recipe:
             raise inputs.UsageError(str(exc).splitlines()[0]) from None
 
     def to_json(self) -> dict:
-        return {"scheme": self.scheme.value, "observer": self.observer,
+        return {"scheme": self.scheme.value, "observer": None if self.scheme.dynamic else self.observer,
                 "weight_observer": self.weight_observer, "skip": list(self.skip),
                 "smoothquant": self.smoothquant, "accuracy_budget": self.accuracy_budget,
                 "metric": self.metric if self.accuracy_budget is not None else None}
@@ -81,7 +86,8 @@ class Recipe:
         from quantkit.quantizers import EmbeddingQuantizer, QuantConfig, W8A8Quantizer
 
         config = QuantConfig(act_observer=self.observer, weight_observer=self.weight_observer,
-                             dynamic=self.scheme is Scheme.W8A8_DYNAMIC)
+                             dynamic=self.scheme.dynamic,
+                             granularity="per-token" if self.scheme is Scheme.W8A8_PER_TOKEN else "per-tensor")
         w8a8 = W8A8Quantizer(config)
         embeddings = EmbeddingQuantizer()
         for name in self.skipped(module_names):
@@ -119,9 +125,9 @@ def _check(args, recipe: Recipe):
     for flag, v, lo in (("--num-calib", args.num_calib, 1), ("--seq-len", args.seq_len, 2), ("--batch-size", args.batch_size, 1)):
         if v is not None and v < lo:
             raise inputs.UsageError(f"{flag} must be at least {lo}, got {v}")
-    if recipe.scheme is Scheme.W8A8_DYNAMIC and args.observer is not None:
-        raise inputs.UsageError("--observer has no effect with --scheme w8a8-dynamic (activation ranges are "
-                                "chosen at run time); drop it")
+    if recipe.scheme.dynamic and args.observer is not None:
+        raise inputs.UsageError(f"--observer has no effect with --scheme {recipe.scheme.value} (activation ranges "
+                                "are chosen at run time); drop it")
     inputs.check_not_input(Path(args.out), spec.input_paths() + ([Path(data.path)] if data.path else []))
     out = _artifact.check_out_dir(args.out, overwrite=args.force, flag="--force", exists_error=inputs.UsageError)
     spec.check()

@@ -229,13 +229,19 @@ def test_force_refuses_a_directory_that_is_not_an_artifact(mlp_inputs, tmp_path,
     assert (out / "thesis.tex").read_text() == "keep me"
 
 
-def test_dynamic_scheme(mlp_inputs, tmp_path, capsys):
+@pytest.mark.parametrize("scheme, kind", [("w8a8-dynamic", "dynamic"), ("w8a8-per-token", "dynamic-per-token")])
+def test_dynamic_schemes(scheme, kind, mlp_inputs, tmp_path, capsys):
     weights, calib = mlp_inputs
     out = tmp_path / "dyn"
-    assert main(_factory_args(weights, calib, out, "--scheme", "w8a8-dynamic")) == 0
+    assert main(_factory_args(weights, calib, out, "--scheme", scheme)) == 0
     doc = json.loads((out / "quantization.json").read_text())
-    assert {t["kind"] for t in doc["tensors"]} == {"weight", "dynamic"}
+    assert {t["kind"] for t in doc["tensors"]} == {"weight", kind}
+    assert doc["recipe"]["scheme"] == scheme and doc["recipe"]["observer"] is None
     assert json.loads((out / "report.json").read_text())["metric"]["mean_cosine"] > 0.999
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    n_dynamic = sum(t["kind"] == kind for t in doc["tensors"])
+    assert f"0 static activations, {n_dynamic} dynamic activations" in capsys.readouterr().out
 
 
 # --- bad input: one line, non-zero exit, no DIR, nothing big loaded ----------------------
