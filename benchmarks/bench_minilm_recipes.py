@@ -68,8 +68,10 @@ def main(argv=None) -> None:
         "dynamic W8A8, per-tensor": W8A8Quantizer(dynamic=True),
         "dynamic W8A8, per-token": W8A8Quantizer(per_token),
         # SmoothQuant's activation-to-weight migration, then per-token activations
-        "SmoothQuant α=0.5 + dynamic W8A8 per-token": ("smooth", W8A8Quantizer(per_token)),
-        "SmoothQuant α=0.5 + static W8A8 min-max": ("smooth", W8A8Quantizer()),
+        "SmoothQuant α=0.5 + dynamic W8A8 per-token": (0.5, W8A8Quantizer(per_token)),
+        "SmoothQuant α=auto (scored per token) + dynamic W8A8 per-token": ("auto", W8A8Quantizer(per_token)),
+        "SmoothQuant α=0.5 + static W8A8 min-max": (0.5, W8A8Quantizer()),
+        "SmoothQuant α=auto + static W8A8 min-max": ("auto", W8A8Quantizer()),
     }
     print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}")
     print("| recipe | mean cosine | min cosine | sentences < 0.99 (of 100) | worst sentence | time (s) |")
@@ -81,8 +83,8 @@ def main(argv=None) -> None:
         else:
             graph = gm
             if isinstance(quantizer, tuple):
-                graph = quantkit.smooth_quant(gm, calib, alpha=0.5)
-                quantizer = quantizer[1]
+                alpha, quantizer = quantizer
+                graph = quantkit.smooth_quant(gm, calib, alpha=alpha, config=quantizer.global_config)
             prepared = quantkit.prepare(graph, quantizer)
             if not quantizer.global_config.dynamic:
                 quantkit.calibrate(prepared, calib, progress=False)

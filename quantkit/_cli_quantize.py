@@ -79,16 +79,21 @@ class Recipe:
                 "smoothquant": self.smoothquant, "accuracy_budget": self.accuracy_budget,
                 "metric": self.metric if self.accuracy_budget is not None else None}
 
+    def config(self):
+        """The W8A8 ``QuantConfig`` of this recipe."""
+        from quantkit.quantizers import QuantConfig
+
+        return QuantConfig(act_observer=self.observer, weight_observer=self.weight_observer,
+                           dynamic=self.scheme.dynamic,
+                           granularity="per-token" if self.scheme is Scheme.W8A8_PER_TOKEN else "per-tensor")
+
     def quantizer(self, module_names: list[str]):
         """W8A8 for linear/conv/matmul plus weight-only int8 embeddings; ``skip`` patterns stay float."""
         from torchao.quantization.pt2e.quantizer import ComposableQuantizer
 
-        from quantkit.quantizers import EmbeddingQuantizer, QuantConfig, W8A8Quantizer
+        from quantkit.quantizers import EmbeddingQuantizer, W8A8Quantizer
 
-        config = QuantConfig(act_observer=self.observer, weight_observer=self.weight_observer,
-                             dynamic=self.scheme.dynamic,
-                             granularity="per-token" if self.scheme is Scheme.W8A8_PER_TOKEN else "per-tensor")
-        w8a8 = W8A8Quantizer(config)
+        w8a8 = W8A8Quantizer(self.config())
         embeddings = EmbeddingQuantizer()
         for name in self.skipped(module_names):
             w8a8.set_module_name(name, None)
@@ -171,7 +176,7 @@ def run_quantize(args, say) -> int:
             gm = quantkit.capture(loaded.model, loaded.example)
     t = clock.lap("capture", t)
     if recipe.smoothquant is not None:
-        gm = quantkit.smooth_quant(gm, calib, alpha=recipe.smoothquant)
+        gm = quantkit.smooth_quant(gm, calib, alpha=recipe.smoothquant, config=recipe.config())
         t = clock.lap("smoothquant", t)
     fallback = None
     if recipe.accuracy_budget is not None:

@@ -30,7 +30,7 @@ from torchao.quantization.pt2e.quantizer import (
 
 from quantkit.observers import DerivedObserver, FixedQParamsObserver
 
-__all__ = ["ANNOTATION_KEY", "EdgeOrNode", "observers_for_annotations"]
+__all__ = ["ANNOTATION_KEY", "EdgeOrNode", "observers_for_annotations", "observer_for_spec"]
 
 ANNOTATION_KEY = "quantization_annotation"
 EdgeOrNode = Union[Node, tuple[Node, Node]]
@@ -162,6 +162,11 @@ def _make_observer(spec, made: dict, groups: _Groups):
         )
     if not isinstance(spec, QuantizationSpec):
         raise TypeError(f"unsupported quantization spec type {type(spec).__name__}")
+    return observer_for_spec(spec)
+
+
+def observer_for_spec(spec: QuantizationSpec) -> torch.nn.Module:
+    """A fresh observer instance for a plain ``QuantizationSpec`` (what prepare inserts)."""
     ctor = spec.observer_or_fake_quant_ctr
     kwargs = _observer_kwargs(spec)
     cls = ctor.p.func if hasattr(ctor, "p") else ctor

@@ -22,6 +22,7 @@ from ._capture import capture
 from ._layers import DEQUANTIZE_OPS, layer_of
 from ._metrics import reiterable
 from ._qmath import choose_qparams, fake_quantize
+from ._sharing import observer_for_spec
 
 __all__ = ["smooth_quant", "parse_alpha", "SMOOTHQUANT_META_KEY"]
 
@@ -158,20 +159,44 @@ def _scales(act_max: torch.Tensor, w_max: torch.Tensor, alpha: float | None) -> 
     return s.clamp(_S_MIN, _S_MAX)
 
 
-def _w8a8_error(rows, mn, mx, weights, s) -> float:
-    """Squared output error of the smoothed linears under quantkit's default W8A8
-    scheme: per-tensor affine uint8 activations, per-channel symmetric int8 weights."""
+def _quantized_acts(xs: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, config) -> torch.Tensor:
+    """``xs`` after the activation quantization ``config`` gives a linear's input: per token
+    (the ``quantized_decomposed`` ops ``convert`` emits), dynamic per tensor (its own range), or
+    static per tensor over the calibrated ``[lo, hi]``."""
+    from quantkit.quantizers import Granularity
+
+    if config.dynamic and config.granularity is Granularity.PER_TOKEN:
+        q_ops = torch.ops.quantized_decomposed
+        scale, zp = q_ops.choose_qparams_per_token(xs, torch.int8)
+        q = q_ops.quantize_per_token(xs, scale, zp, -128, 127, torch.int8)
+        return q_ops.dequantize_per_token(q, scale, zp, -128, 127, torch.int8, torch.float32)
+    scheme = config.activation
+    qmin, qmax = scheme.qrange
+    if config.dynamic:
+        lo, hi = xs.min(), xs.max()
+    scale, zp = choose_qparams(lo, hi, qscheme=scheme.qscheme, dtype=scheme.dtype, quant_min=qmin, quant_max=qmax)
+    return fake_quantize(xs, scale, zp, qmin, qmax, scheme.dtype)
+
+
+def _quantized_weight(w: torch.Tensor, config) -> torch.Tensor:
+    """``w`` fake-quantized by the weight observer ``config`` names (what convert stores)."""
+    from quantkit.quantizers import W8A8Quantizer
+
+    obs = observer_for_spec(W8A8Quantizer.weight_spec(config))
+    obs(w)
+    scale, zp = obs.calculate_qparams()
+    axis = 0 if scale.numel() > 1 else None
+    return fake_quantize(w, scale, zp, -128, 127, torch.int8, axis=axis)
+
+
+def _w8a8_error(rows, mn, mx, weights, s, config) -> float:
+    """Squared output error of the smoothed linears under ``config`` (a ``QuantConfig``):
+    its activation scheme and granularity, and its weight observer."""
     s = s.float()
-    xs = rows / s
-    scale, zp = choose_qparams((mn / s).min(), (mx / s).max(), qscheme=torch.per_tensor_affine,
-                               dtype=torch.uint8, quant_min=0, quant_max=255)
-    xq = fake_quantize(xs, scale, zp, 0, 255, torch.uint8)
+    xq = _quantized_acts(rows / s, (mn / s).min(), (mx / s).max(), config)
     err = 0.0
     for w in weights:
-        ws = w * s
-        wscale, wzp = choose_qparams(ws.amin(1), ws.amax(1), qscheme=torch.per_channel_symmetric,
-                                     dtype=torch.int8, quant_min=-128, quant_max=127)
-        wq = fake_quantize(ws, wscale, wzp, -128, 127, torch.int8, axis=0)
+        wq = _quantized_weight(w * s, config)
         err += float((rows @ w.T - xq @ wq.T).double().pow(2).sum())
     return err
 
@@ -218,7 +243,7 @@ def _insert_mul(gm: GraphModule, group: _Group, inv_s: torch.Tensor, index: int)
 
 
 def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | str = 0.5, *,
-                 example_inputs=None) -> GraphModule:
+                 example_inputs=None, config=None) -> GraphModule:
     """Return a captured copy of ``model`` with activation outliers moved into linear weights.
 
     The result computes the same function in float (up to rounding); quantize it as
@@ -233,6 +258,10 @@ def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | st
             smoothing) with the least W8A8 output error on calibration activations.
         example_inputs: batch to capture ``model`` with (default: the first
             calibration batch).
+        config: the :class:`~quantkit.quantizers.QuantConfig` the result will be quantized
+            with (default ``QuantConfig()``: static per-tensor uint8 activations, per-channel
+            min-max weights); ``alpha="auto"`` scores each α under it, e.g. per-token
+            activations for ``QuantConfig(dynamic=True, granularity="per-token")``.
 
     Returns:
         The smoothed GraphModule. ``gm.meta["quantkit_smoothquant"]`` lists each
@@ -243,7 +272,13 @@ def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | st
         >>> smoothed = quantkit.smooth_quant(model, calib, alpha=0.5)
         >>> qmodel = quantkit.quantize(smoothed, (x[:8],), calib)
     """
+    from quantkit.quantizers import QuantConfig
+
     alpha = _check_alpha(alpha)
+    if config is None:
+        config = QuantConfig()
+    elif not isinstance(config, QuantConfig):
+        raise TypeError(f"config must be a QuantConfig, got {type(config).__name__}")
     data = reiterable(calib_data, "calibration")
     if isinstance(model, GraphModule):
         if model.meta.get("quantkit_prepared") or any(
@@ -275,7 +310,8 @@ def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | st
         chosen = alpha
         if alpha == "auto":
             rows = torch.cat(st.rows)
-            errors = [_w8a8_error(rows, st.min, st.max, weights, _scales(act_max, w_max, a)) for a in _AUTO_GRID]
+            errors = [_w8a8_error(rows, st.min, st.max, weights, _scales(act_max, w_max, a), config)
+                      for a in _AUTO_GRID]
             chosen = _AUTO_GRID[min(range(len(errors)), key=errors.__getitem__)]
         layers = [layer_of(lin) for lin in group.linears]
         record = {"layers": [l.name for l in layers], "modules": [l.module for l in layers], "alpha": chosen}

@@ -119,3 +119,36 @@ def test_parse_alpha_and_errors():
     q = quantkit.quantize(model, (x[:8],), [x[:8]], progress=False)
     with pytest.raises(TypeError, match="before quantkit.prepare"):
         quantkit.smooth_quant(q, [x[:8]])
+
+
+def test_auto_alpha_scores_the_quantization_it_is_given():
+    """alpha="auto" simulates the QuantConfig passed as ``config``: per-token activations
+    (the quantized_decomposed ops convert emits) and the config's weight observer."""
+    from quantkit._smoothquant import _quantized_acts, _quantized_weight
+    from quantkit.quantizers import QuantConfig, W8A8Quantizer
+
+    per_token = QuantConfig(dynamic=True, granularity="per-token")
+    model, x = make_channel_outliers()
+    calib, test = _split(x)
+    # the simulation is the converted model's math, bit for bit
+    lin = nn.Sequential(nn.Linear(16, 8)).eval()
+    xs = torch.randn(5, 16) * torch.linspace(0.1, 20, 16)
+    qlin = quantkit.quantize(lin, (xs,), [xs], W8A8Quantizer(per_token), progress=False)
+    expect = nn.functional.linear(_quantized_acts(xs, None, None, per_token),
+                                  _quantized_weight(lin[0].weight.detach(), per_token), lin[0].bias)
+    with torch.no_grad():
+        assert torch.allclose(qlin(xs), expect, atol=1e-6)
+    # scored under per-token, the chosen alphas differ and per-token SQNR is at least as good
+    default_auto = quantkit.smooth_quant(model, calib, alpha="auto")
+    token_auto = quantkit.smooth_quant(model, calib, alpha="auto", config=per_token)
+    alphas = lambda g: [r["alpha"] for r in g.meta[SMOOTHQUANT_META_KEY]]  # noqa: E731
+    assert alphas(default_auto) != alphas(token_auto)
+    with torch.no_grad():
+        ref = model(test)
+        scores = {}
+        for name, g in (("none", model), ("default", default_auto), ("per-token", token_auto)):
+            q = quantkit.quantize(g, (x[:8],), calib, W8A8Quantizer(per_token), progress=False)
+            scores[name] = sqnr(ref, q(test))
+    assert scores["per-token"] >= max(scores["default"], scores["none"]) - 0.1, scores
+    with pytest.raises(TypeError, match="config must be a QuantConfig"):
+        quantkit.smooth_quant(model, calib, alpha="auto", config="per-token")
