@@ -93,6 +93,64 @@ def _randomize_bn(model: nn.Module, gen: torch.Generator) -> nn.Module:
     return model
 
 
+class _SqueezeExcite(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Conv2d(c, c // 4, 1), nn.Conv2d(c // 4, c, 1)
+
+    def forward(self, x):
+        w = nn.functional.adaptive_avg_pool2d(x, 1)
+        return x * torch.sigmoid(self.fc2(torch.relu(self.fc1(w))))
+
+
+class MobileBlock(nn.Module):
+    """MobileNetV3-style: conv-BN-hardswish stem, depthwise conv-BN-ReLU6, squeeze-excite,
+    pointwise conv-BN, residual add, global pool and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.Hardswish())
+        self.dw = nn.Sequential(nn.Conv2d(16, 16, 3, 1, 1, groups=16, bias=False), nn.BatchNorm2d(16), nn.ReLU6())
+        self.se = _SqueezeExcite(16)
+        self.pw = nn.Sequential(nn.Conv2d(16, 16, 1, bias=False), nn.BatchNorm2d(16))
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = x + self.pw(self.se(self.dw(x)))
+        return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+class CatPoolNet(nn.Module):
+    """Two conv branches concatenated, max and average pooling, a transposed conv with BN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(3, 8, 1)
+        self.c = nn.Conv2d(16, 8, 3, padding=1)
+        self.up = nn.ConvTranspose2d(8, 4, 2, 2)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 8 * 8, 5)
+
+    def forward(self, x):
+        y = torch.cat([torch.relu(self.a(x)), torch.relu(self.b(x))], 1)
+        y = nn.functional.max_pool2d(y, 2)
+        y = nn.functional.avg_pool2d(torch.relu(self.c(y)), 2)
+        return self.fc(torch.relu(self.bn(self.up(y))).flatten(1))
+
+
+def make_mobile(seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(seed)
+    m = _randomize_bn(MobileBlock(), torch.Generator().manual_seed(seed)).eval()
+    return m, torch.randn(64, 3, 32, 32)
+
+
+def make_catpool(seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(seed)
+    m = _randomize_bn(CatPoolNet(), torch.Generator().manual_seed(seed)).eval()
+    return m, torch.randn(64, 3, 16, 16)
+
+
 def make_mlp(seed: int = 0, **kw) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(seed)
     m = MLP(**kw).eval()

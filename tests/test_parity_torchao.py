@@ -12,9 +12,11 @@ from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
 
 import quantkit
 from quantkit.quantizers import W8A8Quantizer
-from tests.models import make_cnn, make_mlp, make_transformer
+from tests.models import make_catpool, make_cnn, make_mlp, make_mobile, make_transformer
 
-MODELS = {"mlp": make_mlp, "cnn": make_cnn, "transformer": make_transformer}
+MODELS = {"mlp": make_mlp, "cnn": make_cnn, "transformer": make_transformer,
+          # depthwise conv, hardswish/ReLU6, squeeze-excite; cat, max/avg pool, transposed conv + BN
+          "mobile": make_mobile, "catpool": make_catpool}
 
 
 def _x86():
@@ -53,7 +55,7 @@ def test_x86_quantizer_matches_torchao(name):
     assert _qdq_counts(ours) == _qdq_counts(theirs)
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+@pytest.mark.parametrize("name", list(MODELS))
 def test_quantkit_quantizer_works_with_torchao_flow(name):
     ours, theirs, x = _both(MODELS[name], lambda: W8A8Quantizer())
     with torch.no_grad():
