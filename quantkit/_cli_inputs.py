@@ -272,7 +272,12 @@ def _as_batch(obj, path: Path):
 
 
 def _samples_of(batch, path: Path, ndims: list[int] | None) -> list:
+    """Split a file's tensors into samples along dim 0. A file one dim short of the model's
+    inputs (``ndims``) is one sample; without ``ndims`` (HF models), so are 1-D integer
+    tensors: the token ids of one sequence (HF models take ``[batch, tokens]``)."""
     tensors = list(batch.values()) if isinstance(batch, dict) else list(batch)
+    if ndims is None and tensors and all(t.dim() == 1 and not t.is_floating_point() for t in tensors):
+        ndims = [2] * len(tensors)
     if ndims is not None and len(ndims) == len(tensors) and all(t.dim() == n - 1 for t, n in zip(tensors, ndims)):
         batch = {k: v.unsqueeze(0) for k, v in batch.items()} if isinstance(batch, dict) else tuple(t.unsqueeze(0) for t in batch)
         tensors = [t.unsqueeze(0) for t in tensors]

@@ -444,3 +444,24 @@ def test_accuracy_budget_that_keeps_everything_float_fails_cleanly(mlp_inputs, t
     assert main(_factory_args(weights, calib, out, "--accuracy-budget", "0")) == 1
     assert "keeps every layer float" in _error_line(capsys.readouterr().err)
     assert not out.exists()
+
+
+def test_hf_causal_lm_with_token_id_tensors(tmp_path, capsys):
+    """An HF causal LM directory (no tokenizer) calibrated on a directory of 1-D token-id
+    tensors, one sequence per file: captured without its KV cache, every linear int8."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=64, vocab_size=100)
+    model_dir, calib = tmp_path / "llama", tmp_path / "ids"
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(model_dir))
+    calib.mkdir()
+    for i in range(10):
+        torch.save({"input_ids": torch.randint(0, 100, (12,))}, calib / f"{i}.pt")
+    out = tmp_path / "out"
+    assert main(["quantize", str(model_dir), "--calib", str(calib), "--out", str(out), "--quiet"]) == 0
+    doc = json.loads((out / "quantization.json").read_text())
+    assert sum(t["kind"] == "weight" for t in doc["tensors"]) == 7 + 1  # q, k, v, o, gate, up, down + embedding
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["data"]["calibration_samples"] == 8 and rep["data"]["heldout_samples"] == 2
+    assert rep["metric"]["mean_cosine"] > 0.99
