@@ -11,7 +11,7 @@ output into its input tensor (the residual add is done in place on the graph inp
 silently fed every later variant a different input (measured: quantkit's block at 13 dB and
 1.8 ms after torchao's run, 49.8 dB alone). A variant that mutates its inputs is noted.
 
-    python benchmarks/bench_models.py [--models mlp,block,minilm] [--reps N]
+    python benchmarks/bench_models.py [--models mlp,block,minilm] [--reps N] [--profile]
 """
 
 from __future__ import annotations
@@ -179,12 +179,35 @@ def bench(name: str, reps: int) -> list[str]:
     return rows + [f"| {name} | note | {n} | | |" for n in notes]
 
 
+def profile(name: str, reps: int = 3) -> None:
+    """torch.profiler tables (top ops by self CPU time) of fp32 eager and the oneDNN int8 variant."""
+    from torch.profiler import profile as torch_profile
+
+    model, inputs, calib = MODELS[name]()
+    variants = {"fp32 eager": model,
+                "quantkit int8 compiled (onednn forced)": _quantkit(copy.deepcopy(model), inputs, calib, "onednn")}
+    with torch.no_grad():
+        for label, f in variants.items():
+            f(*_fresh(inputs))  # compile / warm up outside the profile
+            with torch_profile() as prof:
+                for _ in range(reps):
+                    f(*_fresh(inputs))
+            print(f"\n{name}, {label}: {reps} calls")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="mlp,block,minilm")
     ap.add_argument("--reps", type=int, default=None,
                     help="timed rounds per model (default: mlp 20, block 300, minilm 5)")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead of timing, print torch.profiler tables of fp32 eager and oneDNN int8")
     args = ap.parse_args()
+    if args.profile:
+        for name in args.models.split(","):
+            profile(name)
+        return
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model_name = next((l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("Model name")), "?")
     print(f"machine: {model_name}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
