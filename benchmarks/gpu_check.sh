@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One-shot GPU check for issue 4, for a session whose task is lent an H200 (the `device` tool).
+#
+# The GPU machine has torch and triton but no torchao and no network, so carry a torchao wheel.
+# Here, once, from the repo root (.whl/ is git-ignored):
+#
+#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#         --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+#         -d .whl torchao==0.18.0
+#
+# Then one device call:  run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
+# Results land in $OUT: device.txt, tests.log (CUDA kernel and lowering tests), bench_gemm.md.
+# all-MiniLM-L6-v2 (~90 MB) does not fit the 64 MiB carry limit, so the model rows stay CPU-only.
+set -uo pipefail
+OUT=${OUT:-/tmp/quantkit-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "could not install the carried wheels in .whl/"; exit 1; }
+export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
+    || { echo "could not install quantkit (editable, offline)"; exit 1; }
+
+{ nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
+    | tee "$OUT/device.txt"
+
+# kernels on CUDA against float64, the lowering (op counts + numerics), quantkit.compile on CUDA
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/test_compile.py 2>&1 | tee "$OUT/tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+# fused W8A8 vs bf16 cuBLAS vs _int_mm + epilogue, every shape of the issue
+timeout 180 python3 benchmarks/bench_gemm.py 2>&1 | tee "$OUT/bench_gemm.md"
+bench_rc=${PIPESTATUS[0]}
+
+echo "tests rc=$tests_rc bench rc=$bench_rc"
+exit $(( tests_rc != 0 || bench_rc != 0 ))
