@@ -81,7 +81,7 @@ def _int8_gemm_kernel(
     stride_ab, stride_am, stride_ak,
     stride_bb, stride_bk, stride_bn,
     stride_cb, stride_cm, stride_cn,
-    stride_asm, stride_bsn,
+    stride_asb, stride_asm, stride_bsn,
     out_inv_scale, out_zp,
     A_UNSIGNED: tl.constexpr, B_UNSIGNED: tl.constexpr,
     HAS_A_ZP: tl.constexpr, HAS_B_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -151,7 +151,7 @@ def _int8_gemm_kernel(
     if A_CORR and B_CORR:
         acc = acc + K * za * zb
 
-    a_scale = tl.load(a_scale_ptr + offs_m * stride_asm, mask=mask_m, other=0.0)
+    a_scale = tl.load(a_scale_ptr + batch * stride_asb + offs_m * stride_asm, mask=mask_m, other=0.0)
     b_scale = tl.load(b_scale_ptr + offs_n * stride_bsn, mask=mask_n, other=0.0)
     y = acc.to(tl.float32) * a_scale[:, None] * b_scale[None, :]
     if HAS_BIAS:
@@ -182,8 +182,9 @@ def _launch(a, b, c, a_scale, b_scale, a_zp, b_zp, bias, *, activation: str = "n
             out_scale: float = 1.0, out_zp: int = 0) -> torch.Tensor:
     """Run ``_int8_gemm_kernel`` on 3-D views ``a[B, M, K]``, ``b[B, K, N]`` into ``c[B, M, N]``.
 
-    ``a_scale`` has M entries (per row) or one; ``b_scale`` N entries or one. CUDA tensors use
-    the autotuned kernel; CPU tensors need ``TRITON_INTERPRET=1`` and use small fixed tiles.
+    ``a_scale`` has one entry, M (per row, shared by the batches) or B*M (per row of each
+    batch, laid out ``[B, M]``); ``b_scale`` N entries or one. CUDA tensors use the autotuned
+    kernel; CPU tensors need ``TRITON_INTERPRET=1`` and use small fixed tiles.
     """
     batch, m, k = a.shape
     n = b.shape[2]
@@ -197,6 +198,7 @@ def _launch(a, b, c, a_scale, b_scale, a_zp, b_zp, bias, *, activation: str = "n
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         c.stride(0), c.stride(1), c.stride(2),
+        m if a_scale.numel() == batch * m and batch > 1 else 0,
         0 if a_scale.numel() == 1 else 1, 0 if b_scale.numel() == 1 else 1,
         1.0 / out_scale, out_zp,
     )
@@ -275,7 +277,8 @@ def _check_bmm(a, a_scale, a_zero_point, b, b_scale, b_zero_point, out_dtype):
         )
     if a.shape[-1] != b.shape[-2]:
         raise ValueError(f"inner dimensions differ: a has K={a.shape[-1]}, b has K={b.shape[-2]}")
-    _check_scale("a_scale", a_scale, (1,), "1 (per tensor)")
+    rows = a.numel() // a.shape[-1] if a.shape[-1] else 0
+    _check_scale("a_scale", a_scale, (1, rows), f"1 (per tensor) or {rows} (per row of a)")
     _check_scale("b_scale", b_scale, (1,), "1 (per tensor)")
     _check_zp("a_zero_point", a_zero_point)
     _check_zp("b_zero_point", b_zero_point)
@@ -389,7 +392,8 @@ def int8_bmm(
     Args:
         a: int8/uint8 ``[..., M, K]``; b: int8/uint8 ``[..., K, N]`` with the same batch dims.
             Any strides (e.g. ``k.transpose(-2, -1)``): the kernel reads them in place.
-        a_scale, b_scale: float32 per-tensor scales (one element each).
+        a_scale: float32, one element (per tensor) or one per row of ``a`` (per token:
+            ``[..., M, 1]``); b_scale: float32, one element (per tensor).
         a_zero_point, b_zero_point: one-element integer tensors, or None for 0.
         out_dtype: fp32, fp16 or bf16.
 
@@ -418,5 +422,6 @@ def _(a, a_scale, a_zero_point, b, b_scale, b_zero_point, out_dtype=torch.float3
     za = 0 if a_zero_point is None else int(a_zero_point)
     zb = 0 if b_zero_point is None else int(b_zero_point)
     acc = torch.stack([_int_mm_corrected(a3[i], b3[i], za, zb) for i in range(a3.shape[0])])
-    y = _epilogue(acc, a_scale.reshape(()).float() * b_scale.reshape(()).float(), None, "none", out_dtype, 1.0, 0)
+    scale = a_scale.float().reshape(-1, m, 1) if a_scale.numel() > 1 else a_scale.float().reshape(())
+    y = _epilogue(acc, scale * b_scale.reshape(()).float(), None, "none", out_dtype, 1.0, 0)
     return y.reshape(*a.shape[:-1], n)

@@ -81,15 +81,16 @@ def test_triton_lowering_transformer_uses_int8_bmm_for_attention():
 
 
 def test_triton_lowering_per_token_transformer():
-    """Per-token linears become int8_linear with per-row scales; an attention matmul whose left
-    operand is per token keeps its reference q/dq (int8_bmm takes one scale per operand)."""
+    """Per-token linears become int8_linear with per-row scales, and the attention matmuls
+    int8_bmm with a per-row scale for their per-token left operand."""
     cfg = QuantConfig(dynamic=True, granularity="per-token")
     c, x = _converted(make_transformer, W8A8Quantizer(cfg))
     gm = copy.deepcopy(c)
-    assert lower(gm, "triton") == {"linear": 4, "matmul": 0}
-    assert _dq_fed(gm, {aten.linear.default}) == []
-    assert _count(gm, Q.dequantize_per_token.default) == 2  # the two matmuls' left operands
-    assert _count(gm, aten.matmul.default) == 2
+    assert lower(gm, "triton") == {"linear": 4, "matmul": 2}
+    assert _dq_fed(gm, {aten.linear.default, aten.matmul.default}) == []
+    assert _count(gm, Q.dequantize_per_token.default) == 0 and _count(gm, aten.matmul.default) == 0
+    bmm = [n for n in gm.graph.nodes if n.target == torch.ops.quantkit.int8_bmm.default]
+    assert [n.args[1].args[0].target for n in bmm] == [Q.choose_qparams_per_token.default] * 2
     with torch.no_grad():
         ref, y = c(x), gm(x)
     assert sqnr(ref, y) > 60, f"lowered vs reference SQNR {sqnr(ref, y):.1f} dB"

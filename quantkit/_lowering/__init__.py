@@ -36,7 +36,8 @@ def lower(gm: GraphModule, target: Target | str) -> dict[str, int]:
     Triton target: ``linear(dq(x), dq(w_int8), bias)`` with an optional following relu/gelu
     and quantize (requantized output), static, dynamic or dynamic per-token (one scale per row,
     from the graph's ``choose_qparams_per_token``), becomes ``quantkit.int8_linear``;
-    ``matmul(dq(a), dq(b))`` of two per-tensor quantized activations (attention) ``quantkit.int8_bmm``.
+    ``matmul(dq(a), dq(b))`` of two quantized activations (attention; the left one may be per
+    token) ``quantkit.int8_bmm``.
     oneDNN target: int8 activations become uint8 and reduced-range quantizes get an explicit
     clamp (see ``_onednn``); Inductor's freezing patterns then do the rewrite. Anything else keeps its reference quantize/dequantize ops.
     """

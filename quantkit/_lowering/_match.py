@@ -196,13 +196,13 @@ def _val(node: Node):
 
 
 def match_matmul(node: Node) -> Optional[MatmulMatch]:
-    """Match ``matmul(dq(a), dq(b))`` of two per-tensor quantized activations with equal batch
-    dims (attention). A per-token left operand stays on the reference path: the batched
-    kernel takes one scale per operand."""
+    """Match ``matmul(dq(a), dq(b))`` of two quantized activations with equal batch dims
+    (attention). The left operand may be per token (one scale per row); the right one is
+    per tensor (a per-row scale of ``b`` would vary along K)."""
     if node.op != "call_function" or node.target not in (aten.matmul.default, aten.bmm.default):
         return None
     a, b = _act_q(node.args[0]), _act_q(node.args[1])
-    if a is None or b is None or a.per_token or b.per_token:
+    if a is None or b is None or b.per_token:
         return None
     sa, sb = _val(node.args[0]), _val(node.args[1])
     if sa is None or sb is None or sa.dim() < 3 or sa.dim() != sb.dim() or sa.shape[:-2] != sb.shape[:-2]:

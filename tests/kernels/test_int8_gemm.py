@@ -126,6 +126,29 @@ def test_int8_bmm(use_triton, batch, m, k, n, dtype, zps, out_dtype):
     assert rel <= TOL[out_dtype], f"relative error {rel:.2e}"
 
 
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "cpu_op"])
+@pytest.mark.parametrize("batch,m,k,n", [((2, 3), 9, 16, 9), ((3,), 17, 20, 33)])
+def test_int8_bmm_per_row_scales(use_triton, batch, m, k, n):
+    """Per-token left operand (attention with per-token activations): one scale per row of
+    each batch, ``a_scale`` shaped ``[..., M, 1]`` as choose_qparams_per_token returns it."""
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randint(-128, 128, (*batch, m, k), generator=gen, dtype=torch.int16).to(torch.int8)
+    b = torch.randint(-128, 128, (*batch, n, k), generator=gen, dtype=torch.int16).to(torch.int8).transpose(-2, -1)
+    sa = torch.rand(*batch, m, 1, generator=gen) * 0.05 + 0.01
+    sb = torch.tensor([0.03])
+    ref = (a.double() @ b.double()) * sa.double() * 0.03
+    if use_triton:
+        c = torch.empty((a.numel() // (m * k), m, n), dtype=torch.float32)
+        g._launch(a.reshape(-1, m, k), b.reshape(-1, k, n), c, sa.reshape(-1), sb, None, None, None)
+        y = c.reshape(*batch, m, n)
+    else:
+        y = int8_bmm(a, sa, None, b, sb, None)
+    rel = _rel(y, ref)
+    assert rel <= TOL[torch.float32], f"relative error {rel:.2e}"
+    with pytest.raises(ValueError, match=r"a_scale has 5 elements; expected 1 \(per tensor\) or"):
+        int8_bmm(a, torch.ones(5), None, b, sb, None)
+
+
 def test_fake_impls_give_shapes_without_computing():
     with FakeTensorMode():
         a = torch.empty(4, 7, 32, dtype=torch.uint8)
