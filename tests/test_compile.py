@@ -47,15 +47,16 @@ def test_triton_lowering_mlp_fuses_relu_and_requant(scheme):
     c, x = _converted(make_mlp, QUANTIZERS[scheme]())
     gm = copy.deepcopy(c)
     counts = lower(gm, "triton")
-    assert counts == {"linear": 3, "matmul": 0}
+    assert counts == {"linear": 3, "matmul": 0, "quantize_per_token": 3 if scheme == "per-token" else 0}
     assert _dq_fed(gm, {aten.linear.default}) == [] and _count(gm, Q.dequantize_per_channel.default) == 0
     ops = [n for n in gm.graph.nodes if n.target == torch.ops.quantkit.int8_linear.default]
     assert [n.args[6] for n in ops] == ["relu", "relu", "none"]
     if scheme == "uint7":  # the Triton epilogue clamps to the full dtype range: no 0..127 requant fusion
         assert [n.args[7] for n in ops] == [torch.float32] * 3
         assert _count(gm, Q.quantize_per_tensor.default) == 3
-    elif scheme == "per-token":  # one scale per row: the graph's choose_qparams_per_token feeds the op
-        assert [n.args[1].args[0].target for n in ops] == [Q.choose_qparams_per_token.default] * 3
+    elif scheme == "per-token":  # one scale per row, from the fused one-pass quantize kernel
+        assert [n.args[1].args[0].target for n in ops] == [torch.ops.quantkit.quantize_per_token.default] * 3
+        assert _count(gm, Q.choose_qparams_per_token.default) == 0 and _count(gm, Q.quantize_per_token.default) == 0
         assert _count(gm, Q.dequantize_per_token.default) == 0
     elif scheme != "dynamic":  # static: the next layer's quantize is fused into fc1 and fc2
         act = torch.int8 if scheme == "symmetric" else torch.uint8
@@ -70,7 +71,7 @@ def test_triton_lowering_mlp_fuses_relu_and_requant(scheme):
 def test_triton_lowering_transformer_uses_int8_bmm_for_attention():
     c, x = _converted(make_transformer, W8A8Quantizer(dynamic=True))
     gm = copy.deepcopy(c)
-    assert lower(gm, "triton") == {"linear": 4, "matmul": 2}
+    assert lower(gm, "triton") == {"linear": 4, "matmul": 2, "quantize_per_token": 0}
     assert _dq_fed(gm, {aten.linear.default, aten.matmul.default}) == []
     assert _count(gm, torch.ops.quantkit.int8_bmm.default) == 2
     gelu = [n for n in gm.graph.nodes if n.target == torch.ops.quantkit.int8_linear.default and n.args[6] == "gelu"]
@@ -86,11 +87,14 @@ def test_triton_lowering_per_token_transformer():
     cfg = QuantConfig(dynamic=True, granularity="per-token")
     c, x = _converted(make_transformer, W8A8Quantizer(cfg))
     gm = copy.deepcopy(c)
-    assert lower(gm, "triton") == {"linear": 4, "matmul": 2}
+    # the inputs of qkv, proj, fc1, fc2 and the two matmuls' left operands: 6 per-token
+    # quantizes, all fused into the one-pass kernel
+    assert lower(gm, "triton") == {"linear": 4, "matmul": 2, "quantize_per_token": 6}
     assert _dq_fed(gm, {aten.linear.default, aten.matmul.default}) == []
     assert _count(gm, Q.dequantize_per_token.default) == 0 and _count(gm, aten.matmul.default) == 0
+    assert _count(gm, Q.choose_qparams_per_token.default) == 0
     bmm = [n for n in gm.graph.nodes if n.target == torch.ops.quantkit.int8_bmm.default]
-    assert [n.args[1].args[0].target for n in bmm] == [Q.choose_qparams_per_token.default] * 2
+    assert [n.args[1].args[0].target for n in bmm] == [torch.ops.quantkit.quantize_per_token.default] * 2
     with torch.no_grad():
         ref, y = c(x), gm(x)
     assert sqnr(ref, y) > 60, f"lowered vs reference SQNR {sqnr(ref, y):.1f} dB"
@@ -218,7 +222,7 @@ def test_triton_lowering_kn_weights_addmm_and_matmul():
     quantkit.calibrate(p, [(b,) for b in x.split(16)], progress=False)
     c = quantkit.convert(p)
     gm = copy.deepcopy(c)
-    assert lower(gm, "triton") == {"linear": 2, "matmul": 0}
+    assert lower(gm, "triton") == {"linear": 2, "matmul": 0, "quantize_per_token": 0}
     assert _count(gm, aten.addmm.default) == 0 and _count(gm, aten.matmul.default) == 0
     ops = [n for n in gm.graph.nodes if n.target == torch.ops.quantkit.int8_linear.default]
     assert [n.args[6] for n in ops] == ["relu", "none"]

@@ -50,7 +50,7 @@ def lower(gm: GraphModule, target: Target | str) -> dict[str, int]:
         gm.graph.eliminate_dead_code()
         gm.recompile()
         return counts
-    counts = {"linear": 0, "matmul": 0}
+    counts = {"linear": 0, "matmul": 0, "quantize_per_token": 0}
     device = next((b.device for b in gm.buffers()), torch.device("cpu"))
     transposed = set()  # [K, N] weights the kernels now read from a transposed copy
     for node in list(gm.graph.nodes):
@@ -61,16 +61,20 @@ def lower(gm: GraphModule, target: Target | str) -> dict[str, int]:
             if m.weight_kn:
                 transposed.add(m.weight.target)
             new = _triton.emit_linear(gm, m)
-            new.meta.update({k: v for k, v in m.output.meta.items() if k != "val"})
+            # a float output keeps the example value it replaces; a requantized one is int8
+            new.meta.update({k: v for k, v in m.output.meta.items() if k != "val" or m.out_dtype == torch.float32})
             m.output.replace_all_uses_with(new)
             counts["linear"] += 1
             continue
         mm = match_matmul(node)
         if mm is not None:
             new = _triton.emit_matmul(gm, mm, device)
-            new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            new.meta.update(node.meta)  # fp32 out, as the matmul it replaces
             node.replace_all_uses_with(new)
             counts["matmul"] += 1
+    gm.graph.eliminate_dead_code()
+    # after DCE: a per-token quantize whose dequantizes were all rewritten feeds only kernels
+    counts["quantize_per_token"] = _triton.fuse_per_token_quantize(gm)
     gm.graph.eliminate_dead_code()
     still_read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     for target in transposed - still_read:  # drop the [K, N] originals: one int8 copy per weight

@@ -6,12 +6,14 @@ Triton kernels themselves and schedules them with the surrounding fused code.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.fx import GraphModule, Node
 
-from ._match import ActQ, LinearMatch, MatmulMatch, attr
+from ._match import ActQ, LinearMatch, MatmulMatch, _getitem_source, attr
 
-__all__ = ["emit_linear", "emit_matmul"]
+__all__ = ["emit_linear", "emit_matmul", "fuse_per_token_quantize"]
 
 
 def _buffer(gm: GraphModule, base: str, value: torch.Tensor, before: Node) -> Node:
@@ -66,3 +68,37 @@ def emit_matmul(gm: GraphModule, m: MatmulMatch, device) -> Node:
         return gm.graph.call_function(
             torch.ops.quantkit.int8_bmm.default, (m.a.q, sa, za, m.b.q, sb, zb, torch.float32)
         )
+
+
+def fuse_per_token_quantize(gm: GraphModule) -> int:
+    """Replace ``choose_qparams_per_token`` + ``quantize_per_token`` pairs whose integers only
+    feed the int8 kernels (every dequantize was rewritten away) by the one-pass
+    ``quantkit.quantize_per_token`` kernel, with the decomposed ops' scale formula so the
+    integers and scales are the same. fp32 inputs only (the decomposed ops compute fp16
+    inputs' scales in fp16). Returns the number of pairs fused."""
+    _register_ops()
+    from quantkit.kernels import DECOMPOSED
+
+    q_ops = torch.ops.quantized_decomposed
+    fused = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not q_ops.quantize_per_token.default:
+            continue
+        x, scale, zp = node.args[:3]
+        choose = _getitem_source(scale)
+        val = x.meta.get("val") if isinstance(x, Node) else None
+        if (choose is None or choose.target is not q_ops.choose_qparams_per_token.default
+                or choose.args[0] is not x or _getitem_source(zp) is not choose
+                or tuple(node.args[3:6]) != (-128, 127, torch.int8)
+                or not isinstance(val, torch.Tensor) or val.dtype != torch.float32
+                or any(u.target is q_ops.dequantize_per_token.default for u in node.users)
+                or set(zp.users) != {node}):
+            continue
+        with gm.graph.inserting_before(node):
+            op = gm.graph.call_function(torch.ops.quantkit.quantize_per_token.default, (x,), dict(DECOMPOSED))
+            q_new = gm.graph.call_function(operator.getitem, (op, 0))
+            s_new = gm.graph.call_function(operator.getitem, (op, 1))
+        node.replace_all_uses_with(q_new)
+        scale.replace_all_uses_with(s_new)
+        fused += 1
+    return fused

@@ -52,3 +52,23 @@ def test_zero_rows_get_eps_scale_and_errors(runner):
     assert torch.all(q == 0) and torch.all(s == torch.finfo(torch.float32).eps)
     with pytest.raises(TypeError, match="floating point"):
         quantize_per_token(torch.zeros(2, 8, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("runner", sorted(RUNNERS))
+def test_decomposed_convention_matches_the_graph_ops(runner):
+    """With ``**DECOMPOSED`` the kernel reproduces quantized_decomposed's choose_qparams_per_token
+    + quantize_per_token (what convert emits and the CUDA lowering replaces), zero rows included."""
+    from quantkit.kernels import DECOMPOSED
+
+    x = torch.randn(4, 6, 48, generator=torch.Generator().manual_seed(2)) * 5
+    x[0, 0] = 0.0  # absmax 0: the 1e-5 floor decides the scale
+    x[1, 2] = 1e-7
+    ops = torch.ops.quantized_decomposed
+    s_ref, zp = ops.choose_qparams_per_token(x, torch.int8)
+    q_ref = ops.quantize_per_token(x, s_ref, zp, -128, 127, torch.int8)
+    q, s = RUNNERS[runner](x, **DECOMPOSED)
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    assert int((q.int() - q_ref.int()).abs().max()) <= 1
+    assert float((q != q_ref).float().mean()) < 0.01
+    with pytest.raises(ValueError, match="divisor must be > 0"):
+        quantize_per_token(x, divisor=0.0)
