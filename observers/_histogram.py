@@ -17,13 +17,22 @@ from ._registry import register
 __all__ = ["HistogramMethod", "HistogramObserver", "PerChannelMSEObserver"]
 
 
+# elements binned per pass: temporaries stay at 2^24 * (4 + 4) bytes = 128 MiB
+_COUNT_CHUNK = 1 << 24
+
+
 def _counts(x: torch.Tensor, bins: int, lo: float, hi: float) -> torch.Tensor:
     """``torch.histc(x, bins, lo, hi)`` for ``x`` within ``[lo, hi]`` (``hi`` in the last bin),
     as one bin-index pass and a ``bincount``: ~4x faster than histc on CPU (1.5 M floats,
     one thread: 5.5 vs 21 ms). Values on a bin edge may land one bin over from histc's
     choice (float rounding of the index), which the histogram model does not resolve anyway."""
-    idx = torch.sub(x.reshape(-1), lo).mul_(bins / (hi - lo)).clamp_(0, bins - 1).to(torch.int32)
-    return torch.bincount(idx, minlength=bins)
+    flat = x.reshape(-1)
+    counts = torch.zeros(bins, dtype=torch.int64, device=x.device)
+    for start in range(0, flat.numel(), _COUNT_CHUNK):  # bounds the temporaries on huge tensors
+        part = flat[start:start + _COUNT_CHUNK]
+        idx = torch.sub(part, lo).mul_(bins / (hi - lo)).clamp_(0, bins - 1).to(torch.int32)
+        counts += torch.bincount(idx, minlength=bins)
+    return counts
 
 
 class HistogramMethod(str, Enum):

@@ -362,3 +362,13 @@ def test_bincount_histogram_matches_histc():
     # values on a bin edge may fall one bin over: counts agree to a few per million elements
     assert (ours - ref).abs().sum() <= 1e-4 * x.numel()
     assert torch.equal(_counts(torch.tensor([lo, hi]), 4, lo, hi), torch.tensor([1, 0, 0, 1]))
+
+
+def test_bincount_histogram_in_chunks_equals_one_pass(monkeypatch):
+    from quantkit.observers import _histogram
+
+    x = _sample("gaussian", 10_001).float()
+    lo, hi = float(x.min()), float(x.max())
+    whole = _histogram._counts(x, 512, lo, hi)
+    monkeypatch.setattr(_histogram, "_COUNT_CHUNK", 1000)  # 11 passes, the last one short
+    assert torch.equal(_histogram._counts(x, 512, lo, hi), whole)
