@@ -10,6 +10,7 @@ import torch
 from quantkit._qmath import is_symmetric
 
 from . import _histsearch as hs
+from . import _rangesearch as rs
 from ._base import QuantkitObserver
 from ._minmax import PerChannelMinMaxObserver
 from ._registry import register
@@ -170,15 +171,13 @@ class HistogramObserver(QuantkitObserver):
         if self.method is HistogramMethod.KL:
             a, b = hs.search_kl(self.histogram, lo, hi, self._qp())
             a, b = torch.tensor(a, device=dev), torch.tensor(b, device=dev)
-        else:
-            h = self.histogram[None]
+        elif self.method is HistogramMethod.PERCENTILE:
             lo_t = torch.tensor([lo], dtype=torch.float64, device=dev)
             hi_t = torch.tensor([hi], dtype=torch.float64, device=dev)
-            if self.method is HistogramMethod.PERCENTILE:
-                a, b = hs.percentile_range(h, lo_t, hi_t, self.percentile, sym)
-            else:
-                a, b = hs.search_error(h, lo_t, hi_t, self._qp(), self.method.value)
+            a, b = hs.percentile_range(self.histogram[None], lo_t, hi_t, self.percentile, sym)
             a, b = a[0], b[0]
+        else:
+            a, b = rs.search_error(self.histogram, lo, hi, self._qp(), self.method.value)
         return a.float(), b.float()
 
     def extra_repr(self) -> str:
@@ -187,9 +186,9 @@ class HistogramObserver(QuantkitObserver):
 
 # per-channel searches run on groups of channels to bound memory ([C, K, levels] float64)
 _CHANNEL_CHUNK = 64
-# 1D schedule for weights: clip 0 .. 15/32 of amax (best weight clips are well under
-# half the range), then +-4 steps of 1/256 and of 1/2048
-_WEIGHT_STAGES = ((0, 1 / 32, 16), (-4, 1 / 256, 9), (-4, 1 / 2048, 9))
+# schedule for weights, in grid units (1/2048 of the range): clip 0 .. 15/32 of amax (best
+# weight clips are well under half the range), then +-4 steps of 1/256 and of 1/2048
+_WEIGHT_STAGES = ((0, 64, 16), (-4, 8, 9), (-4, 1, 9))
 
 
 @register("per_channel_mse")
@@ -261,7 +260,7 @@ class PerChannelMSEObserver(PerChannelMinMaxObserver):
         los, his = [], []
         for i in range(0, self.histogram.shape[0], _CHANNEL_CHUNK):
             sl = slice(i, i + _CHANNEL_CHUNK)
-            a, b = hs.search_error(self.histogram[sl], self.min_val[sl], self.max_val[sl], qp,
+            a, b = rs.search_error(self.histogram[sl], self.min_val[sl], self.max_val[sl], qp,
                                    "mse", stages=_WEIGHT_STAGES)
             los.append(a)
             his.append(b)

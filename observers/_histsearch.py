@@ -1,14 +1,12 @@
-"""Range search on histograms: rebinning, KL entropy, expected MSE, L2 and percentiles.
+"""Histogram plumbing and the KL and percentile range searches: rebinning, the ``|x|``
+histogram, TensorRT-style KL entropy, percentiles. (The MSE and L2 searches are in
+:mod:`._rangesearch`.)
 
 Everything here is vectorised over candidates: a search evaluates a whole grid of
 candidate ranges in a few tensor operations, never one candidate at a time in Python.
 Histograms are ``[B, n]`` float64 tensors (``B`` = 1 per tensor, ``C`` per channel)
 with one equal-width range ``[lo, hi]`` per row; counts are assumed uniform within a
 bin (the usual histogram model, also torchao's).
-
-The qparams of a candidate range always come from :func:`quantkit._qmath.choose_qparams`
-(called on a batch of candidates), so the error we minimise is the error of the
-qparams that convert will actually use.
 """
 
 from __future__ import annotations
@@ -17,28 +15,22 @@ from typing import Callable
 
 import torch
 
-from quantkit._qmath import choose_qparams, is_symmetric
+from quantkit._qmath import is_symmetric
 
 __all__ = [
     "rebin",
     "abs_histogram",
     "kl_divergence",
-    "mse_error",
-    "l2_error",
     "percentile_range",
     "kl_histogram",
     "search_kl",
-    "search_error",
 ]
 
 _F64 = torch.float64
-# stages of the coarse-to-fine grid, as (first offset, step, number of points): the
-# first stage scans clip fractions 0 .. 127/128 (1D) or 0 .. 7/8 (2D); each later
-# stage scans a window one previous step wide on either side of the best point so
-# far, down to steps of 1/2048 of the range (one bin at the default 2048 bins).
-_STAGES_1D = ((0, 1 / 128, 128), (-16, 1 / 2048, 33))
-_STAGES_2D = ((0, 1 / 8, 8), (-4, 1 / 32, 9), (-4, 1 / 128, 9), (-4, 1 / 512, 9), (-4, 1 / 2048, 9))
-# KL candidates cost O(1) each, so its 2D search starts from a finer grid
+# the affine KL search's coarse-to-fine grid, as (first offset, step, number of points)
+# in clip fractions: 0 .. 63/64 of each side, then windows one previous step wide on
+# either side of the best point so far, down to 1/2048 of the range (one bin at the
+# default 2048 bins). KL candidates cost O(1) each, so it starts from a fine grid.
 _STAGES_KL_2D = ((0, 1 / 64, 64), (-8, 1 / 512, 17), (-4, 1 / 2048, 9))
 
 
@@ -88,111 +80,7 @@ def abs_histogram(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     return c.diff(dim=1), amax
 
 
-class _Moments:
-    """Prefix sums of count, x and x² at bin edges (uniform density within bins), so
-    the moments of any interval come from two interpolated look-ups."""
-
-    def __init__(self, hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
-        b, n = hist.shape
-        self.hist, self.lo, self.n = hist, lo, n
-        width = (hi - lo) / n
-        # constant rows: any positive width works, all the mass sits at lo
-        self.width = torch.where(width > 0, width, torch.ones_like(width))
-        self.hi = lo + self.width * n
-        e = lo[:, None] + self.width[:, None] * torch.arange(n + 1, dtype=_F64, device=hist.device)
-        self.edges = e
-        a, z = e[:, :-1], e[:, 1:]
-        pad = torch.nn.functional.pad
-        self.s0 = pad(hist.cumsum(1), (1, 0))
-        self.s1 = pad((hist * (a + z) / 2).cumsum(1), (1, 0))
-        self.s2 = pad((hist * (a * a + a * z + z * z) / 3).cumsum(1), (1, 0))
-        # I(e_k) = ∫ F(u) du up to edge k, F the CDF; over bin j it grows by w·F_j + w·h_j/2
-        w = self.width[:, None]
-        self.icdf = pad((w * self.s0[:, :-1] + w * hist / 2).cumsum(1), (1, 0))
-
-    @property
-    def totals(self):
-        return self.s0[:, -1], self.s1[:, -1], self.s2[:, -1]
-
-    def below(self, x: torch.Tensor):
-        """Moments of the mass below ``x`` (``[B, ...]``): three tensors shaped like x."""
-        shape = x.shape
-        x = x.reshape(shape[0], -1)
-        xc = torch.minimum(torch.maximum(x, self.lo[:, None]), self.hi[:, None])
-        k = ((xc - self.lo[:, None]) / self.width[:, None]).floor().clamp(0, self.n - 1).long()
-        e = self.edges.gather(1, k)
-        d = self.hist.gather(1, k) / self.width[:, None]
-        m0 = self.s0.gather(1, k) + d * (xc - e)
-        m1 = self.s1.gather(1, k) + d * (xc * xc - e * e) / 2
-        m2 = self.s2.gather(1, k) + d * (xc * xc * xc - e * e * e) / 3
-        return m0.view(shape), m1.view(shape), m2.view(shape)
-
-    def cdf_integral(self, x: torch.Tensor) -> torch.Tensor:
-        """``I(x) = ∫_{-∞}^{x} F(u) du`` (F the CDF, in counts), shaped like ``x``."""
-        shape = x.shape
-        x = x.reshape(shape[0], -1)
-        lo, w = self.lo[:, None], self.width[:, None]
-        xc = torch.minimum(torch.maximum(x, lo), self.hi[:, None])
-        k = ((xc - lo) / w).floor().clamp(0, self.n - 1).long()
-        d = xc - (lo + k * w)
-        out = self.icdf.gather(1, k) + d * (self.s0.gather(1, k) + d * self.hist.gather(1, k) / (2 * w))
-        out = out + self.s0[:, -1:] * (x - xc).clamp_min(0)  # above the top, F is the total
-        return out.view(shape)
-
-
-def _qparams(lo_c: torch.Tensor, hi_c: torch.Tensor, qp: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """choose_qparams on a batch of candidate ranges (one 'channel' per candidate)."""
-    scheme = torch.per_channel_symmetric if is_symmetric(qp["qscheme"]) else torch.per_channel_affine
-    scale, zp = choose_qparams(
-        lo_c.reshape(-1), hi_c.reshape(-1), qscheme=scheme, dtype=qp["dtype"],
-        quant_min=qp["quant_min"], quant_max=qp["quant_max"], eps=qp["eps"],
-        customized_qrange=qp["customized_qrange"],
-    )
-    return scale.to(_F64).view(lo_c.shape), zp.to(_F64).view(lo_c.shape)
-
-
 # --- objectives ---------------------------------------------------------------------
-def mse_error(mom: _Moments, scale: torch.Tensor, zp: torch.Tensor, quant_min: int,
-              quant_max: int) -> torch.Tensor:
-    """Expected squared error of fake-quantizing the histogram with ``(scale, zp)``.
-
-    Exact for the uniform-within-bin model, rounding and clipping together: level
-    ``ℓ_q = (q − zp)·scale`` collects the mass between the rounding boundaries
-    ``b_q = ℓ_q + scale/2`` (the end levels collect everything beyond: clipping).
-    Summing ``Σ_q Σ_{x in cell q} (x − ℓ_q)²`` by parts over the equally spaced levels
-    gives ``Σ(x − ℓ_top)² − 2·scale·Σ_q I(b_q)`` with ``I`` the integral of the CDF,
-    so a candidate costs one interpolated look-up per level boundary.
-
-    Args:
-        scale, zp: ``[B, K]`` candidate qparams.
-
-    Returns:
-        ``[B, K]`` mean squared error per element.
-    """
-    qb = torch.arange(quant_min, quant_max, dtype=_F64, device=scale.device) + 0.5
-    integral = mom.cdf_integral((qb - zp[..., None]) * scale[..., None]).sum(-1)
-    t0, t1, t2 = (t[:, None] for t in mom.totals)
-    top = (quant_max - zp) * scale
-    err = t2 - 2 * top * t1 + top * top * t0 - 2 * scale * integral
-    return err.clamp_min(0) / t0.clamp_min(1)
-
-
-def l2_error(mom: _Moments, scale: torch.Tensor, zp: torch.Tensor, quant_min: int,
-             quant_max: int) -> torch.Tensor:
-    """torchao's L2 model of the error: exact clipping error plus rounding noise of
-    ``scale²/12`` for all unclipped mass. O(1) per candidate; ``[B, K]`` like
-    :func:`mse_error`."""
-    lo_c = (quant_min - zp) * scale
-    hi_c = (quant_max - zp) * scale
-    a0, a1, a2 = mom.below(lo_c)
-    b0, b1, b2 = mom.below(hi_c)
-    t0, t1, t2 = (t[:, None] for t in mom.totals)
-    clip_lo = a2 - 2 * lo_c * a1 + lo_c * lo_c * a0
-    clip_hi = (t2 - b2) - 2 * hi_c * (t1 - b1) + hi_c * hi_c * (t0 - b0)
-    inside = (b0 - a0) * scale * scale / 12
-    return (clip_lo.clamp_min(0) + clip_hi.clamp_min(0) + inside) / t0.clamp_min(1)
-
-
 def _xlogx(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > 0, x * torch.log(torch.where(x > 0, x, 1.0)), 0.0)
 
@@ -271,13 +159,12 @@ def kl_divergence(hist: torch.Tensor, start: torch.Tensor, stop: torch.Tensor, l
 
 # --- searches -----------------------------------------------------------------------
 def _grid_search(err_fn: Callable[[torch.Tensor], torch.Tensor], batch: int, dims: int,
-                 device, stages=None) -> torch.Tensor:
+                 device, stages) -> torch.Tensor:
     """Minimise ``err_fn`` over clip fractions ``f ∈ [0, 1)^dims`` (per row), coarse to fine.
 
     ``err_fn`` takes ``[B, K, dims]`` fractions and returns ``[B, K]`` errors; each stage
     is one call. Returns the best ``[B, dims]`` fractions.
     """
-    stages = stages or (_STAGES_1D if dims == 1 else _STAGES_2D)
     best = torch.zeros(batch, dims, dtype=_F64, device=device)
     best_err = torch.full((batch,), float("inf"), dtype=_F64, device=device)
     for first, step, count in stages:
@@ -290,38 +177,6 @@ def _grid_search(err_fn: Callable[[torch.Tensor], torch.Tensor], batch: int, dim
         best = torch.where(better[:, None], cand[torch.arange(batch, device=device), idx], best)
         best_err = torch.where(better, err_min, best_err)
     return best
-
-
-def search_error(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, qp: dict,
-                 objective: str = "mse", stages=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Range ``(lo_c, hi_c)`` per row that minimises the expected MSE (``"mse"``) or
-    torchao's L2 model (``"l2"``).
-
-    Symmetric schemes search the threshold ``t`` of ``[-t, t]`` (1D); affine schemes
-    search both ends (2D), always keeping 0 in the range.
-    """
-    fn = mse_error if objective == "mse" else l2_error
-    lo, hi = lo.to(_F64), hi.to(_F64)
-    mom = _Moments(hist.to(_F64), lo, hi)
-    neg = torch.clamp(lo, max=0)
-    pos = torch.clamp(hi, min=0)
-    sym = is_symmetric(qp["qscheme"])
-    amax = torch.maximum(-neg, pos)
-
-    def ranges(f):
-        if sym:
-            t = amax[:, None] * (1 - f[..., 0])
-            return -t, t
-        return neg[:, None] * (1 - f[..., 0]), pos[:, None] * (1 - f[..., 1])
-
-    def err_fn(f):
-        lo_c, hi_c = ranges(f)
-        scale, zp = _qparams(lo_c, hi_c, qp)
-        return fn(mom, scale, zp, qp["quant_min"], qp["quant_max"])
-
-    best = _grid_search(err_fn, hist.shape[0], 1 if sym else 2, hist.device, stages)
-    lo_c, hi_c = ranges(best[:, None, :])
-    return lo_c[:, 0], hi_c[:, 0]
 
 
 def kl_histogram(hist: torch.Tensor, lo: float, hi: float, symmetric: bool) -> tuple[torch.Tensor, float]:

@@ -15,6 +15,7 @@ from quantkit.observers import (
     get,
 )
 from quantkit.observers import _histsearch as hs
+from quantkit.observers import _rangesearch as rs
 from quantkit.quantizers import QuantConfig, W8A8Quantizer
 from tests.models import make_mlp, make_transformer
 from tests.observers._reference import (
@@ -159,22 +160,55 @@ def test_mse_threshold_close_to_per_candidate_reference(dist):
     assert abs(ours - peer) <= 0.02 * peer, f"{dist}: MSE threshold {ours:.4f} vs torch loop {peer:.4f}"
 
 
-def test_mse_error_matches_quadrature_of_the_histogram():
-    # the expected error of the uniform-within-bin model, integrated numerically
+@pytest.mark.parametrize("batch", [False, True], ids=["one", "batch"])
+def test_mse_error_matches_quadrature_of_the_histogram(batch):
+    # the expected error of the uniform-within-bin model, integrated numerically; the
+    # candidates reach past the histogram on both sides (the table's slow path) and
+    # into its extension (inside the table)
     g = torch.Generator().manual_seed(1)
-    hist = torch.rand(1, 300, generator=g, dtype=torch.float64) * (torch.rand(1, 300, generator=g) > 0.3)
-    lo, hi = _t64(-1.3), _t64(2.1)
-    scale = torch.tensor([[0.004, 0.011, 0.02]], dtype=torch.float64)
-    zp = torch.tensor([[100.0, 128.0, 60.0]], dtype=torch.float64)
-    ours = hs.mse_error(hs._Moments(hist, lo, hi), scale, zp, 0, 255)[0]
+    hist = (torch.rand(300, generator=g, dtype=torch.float64) * (torch.rand(300, generator=g) > 0.3)).numpy()
+    lo, hi = -1.3, 2.1
+    scale = np.array([0.004, 0.011, 0.02, 0.05])
+    zp = np.array([100.0, 128.0, 60.0, 250.0])
+    if batch:  # three copies, the middle one shifted by +1 (its error must be the same)
+        h3 = np.stack([hist, hist, hist])
+        lo3, hi3 = np.array([[lo], [lo + 1], [lo]]), np.array([[hi], [hi + 1], [hi]])
+        table = rs.ErrorTable(h3, lo3, hi3, lo3 - 0.5, hi3 + 0.5)
+        sc3 = np.stack([scale, scale, scale])
+        zp3 = np.stack([zp, zp - 1 / scale, zp])  # levels shifted by +1 for row 1
+        ours_all = rs.mse_error(table, sc3, zp3, 0, 255)
+        assert ours_all.shape == (3, 4)
+        np.testing.assert_allclose(ours_all[1], ours_all[0], rtol=1e-9)
+        ours = ours_all[2]
+    else:
+        ours = rs.mse_error(rs.ErrorTable(hist, lo, hi, lo - 0.5, hi + 0.5), scale, zp, 0, 255)
     w = 3.4 / 300
     pts = (torch.arange(300 * 400, dtype=torch.float64) + 0.5) * (w / 400) - 1.3  # 400 points per bin
-    weight = hist[0].repeat_interleave(400) / 400
-    for k in range(3):
-        s, z = float(scale[0, k]), float(zp[0, k])
+    weight = torch.from_numpy(hist).repeat_interleave(400) / 400
+    for k in range(len(scale)):
+        s, z = float(scale[k]), float(zp[k])
         fq = (torch.round(pts / s + z).clamp(0, 255) - z) * s
         ref = float((weight * (pts - fq) ** 2).sum() / weight.sum())
         assert abs(float(ours[k]) - ref) <= 2e-3 * ref, f"candidate {k}: {float(ours[k]):.6g} vs {ref:.6g}"
+
+
+def test_l2_error_is_clipping_plus_uniform_rounding_noise():
+    # torchao's model: exact clipping error + scale^2/12 for every unclipped element
+    g = torch.Generator().manual_seed(2)
+    hist = torch.rand(200, generator=g, dtype=torch.float64).numpy()
+    lo, hi = -2.0, 3.0
+    scale, zp = np.array([0.01, 0.015]), np.array([128.0, 100.0])
+    ours = rs.l2_error(rs.ErrorTable(hist, lo, hi, lo, hi), scale, zp, 0, 255)
+    w = 5.0 / 200
+    pts = (torch.arange(200 * 400, dtype=torch.float64) + 0.5) * (w / 400) + lo
+    weight = torch.from_numpy(hist).repeat_interleave(400) / 400
+    for k in range(2):
+        s, z = float(scale[k]), float(zp[k])
+        a, b = (0 - z) * s, (255 - z) * s
+        clip = torch.where(pts < a, (pts - a) ** 2, torch.where(pts > b, (pts - b) ** 2, 0.0))
+        inside = ((pts >= a) & (pts <= b)).double() * s * s / 12
+        ref = float((weight * (clip + inside)).sum() / weight.sum())
+        assert abs(float(ours[k]) - ref) <= 1e-3 * ref, f"candidate {k}: {float(ours[k]):.6g} vs {ref:.6g}"
 
 
 def test_kl_ignores_a_spike_of_exact_zeros():
@@ -372,3 +406,57 @@ def test_bincount_histogram_in_chunks_equals_one_pass(monkeypatch):
     whole = _histogram._counts(x, 512, lo, hi)
     monkeypatch.setattr(_histogram, "_COUNT_CHUNK", 1000)  # 11 passes, the last one short
     assert torch.equal(_histogram._counts(x, 512, lo, hi), whole)
+
+
+def _exhaustive_mse(hist, lo, hi, qp):
+    """Expected MSE at every one of the GRID symmetric clip points (the search's grid)."""
+    amax = max(-lo, hi)
+    s_max = amax / 127.5
+    table = rs.ErrorTable(hist, lo, hi, -129 * s_max, 128 * s_max)
+    s = np.maximum(s_max * (1 - np.arange(rs.GRID) / rs.GRID), float(qp["eps"]))
+    return rs.mse_error(table, s, 0.0, qp["quant_min"], qp["quant_max"])
+
+
+@pytest.mark.parametrize("dist", ["gaussian", "laplace", "student_t", "relu", "bimodal"])
+def test_mse_search_finds_the_exhaustive_minimum(dist):
+    # the coarse-to-fine schedule (63 candidates) against all 2048 clip points
+    x = _sample("student_t" if dist == "student_t" else "gaussian", 200_000)
+    if dist == "laplace":
+        x = _sample("laplace", 200_000)
+    elif dist == "relu":
+        x = torch.relu(x)
+    elif dist == "bimodal":
+        x = x + torch.where(torch.arange(x.numel()) % 2 == 0, 4.0, -4.0)
+    obs = _observe(HistogramObserver(method="mse", **SYM), x)
+    lo, hi, qp = float(obs.min_val), float(obs.max_val), obs._qp()
+    h = obs.histogram.numpy()
+    every = _exhaustive_mse(h, lo, hi, qp)
+    _, t = rs.search_error(obs.histogram, lo, hi, qp)
+    j = round((1 - float(t) / max(-lo, hi)) * rs.GRID)
+    assert every[j] <= every.min() * 1.001, f"{dist}: searched {every[j]:.6g} vs exhaustive {every.min():.6g}"
+
+
+@pytest.mark.parametrize("scheme", [SYM, AFF], ids=["symmetric", "affine"])
+@pytest.mark.parametrize("objective", ["mse", "l2"])
+def test_batched_search_equals_one_row_at_a_time(scheme, objective):
+    obs = [_observe(HistogramObserver(method="mse", **scheme), _sample(d, 50_000, seed=i) * (i + 1))
+           for i, d in enumerate(["gaussian", "laplace", "student_t"])]
+    qp = obs[0]._qp()
+    hist = torch.stack([o.histogram for o in obs])
+    lo = torch.stack([o.min_val for o in obs]).double()
+    hi = torch.stack([o.max_val for o in obs]).double()
+    a, b = rs.search_error(hist, lo, hi, qp, objective)
+    assert a.shape == (3,) and b.shape == (3,)
+    for i, o in enumerate(obs):
+        a1, b1 = rs.search_error(o.histogram, float(o.min_val), float(o.max_val), qp, objective)
+        assert a1.shape == () and float(a1) == float(a[i]) and float(b1) == float(b[i])
+
+
+def test_search_keeps_constant_rows():
+    hist = torch.zeros(2, 64, dtype=torch.float64)
+    hist[:, 0] = 10
+    hist[1, :] += 1
+    qp = HistogramObserver(method="mse", **AFF)._qp()
+    a, b = rs.search_error(hist, torch.tensor([1.5, -1.0]), torch.tensor([1.5, 2.0]), qp)
+    assert float(a[0]) == 1.5 and float(b[0]) == 1.5  # constant: left alone
+    assert -1.0 <= float(a[1]) <= 0 and 0 < float(b[1]) <= 2.0

@@ -1,0 +1,335 @@
+"""Expected-error range search on histograms: the MSE of the qparams a clip range gives
+(``"mse"``) or torchao's L2 model of it (``"l2"``), minimised coarse to fine.
+
+A histogram is ``[n]`` counts over ``[lo, hi]`` (per tensor) or ``[B, n]`` counts with one
+range per row (per channel); counts are uniform within a bin (the usual histogram model,
+also torchao's). Per-row values are Python floats for one histogram and ``[B, 1]``
+columns for a batch, so that the same expressions serve both and a single histogram pays
+no broadcasting overhead.
+
+Each stage of the search evaluates all its candidates in a handful of array operations,
+never one candidate at a time in Python. It runs in NumPy on the host: a search is a few
+dozen small operations on a few thousand float64 values, and NumPy's cost per operation
+is a third of torch's on CPU; for CUDA data it saves a kernel launch and a sync per
+operation (the histogram, 16 KiB at 2048 bins, is copied to the host once).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from quantkit._qmath import choose_qparams, is_symmetric, symmetric_divisor, symmetric_zero_point
+
+__all__ = ["GRID", "STAGES_1D", "STAGES_2D", "ErrorTable", "mse_error", "l2_error", "search_error"]
+
+# candidate clip points: the fractions j / GRID of the observed range cut off (j = 0: min-max)
+GRID = 2048
+# coarse to fine, in grid units: (first offset, step, count) around the best point so far.
+# 1D: 48 clip points 43 units (~1/48 of the range) apart, then +-21 units by 3 (63
+# candidates). Against the exhaustive 2048-point search on 50 all-MiniLM-L6-v2 activation
+# histograms and 13 synthetic distributions its worst excess error was 0.07%; a 32-point
+# first stage missed a narrow global minimum by 4%.
+STAGES_1D = ((0, 43, 48), (-7, 3, 15))
+# 2D (affine: both ends): 8 x 8 eighths of the range, then 9 x 9 windows down to one unit
+STAGES_2D = ((0, 256, 8), (-4, 64, 9), (-4, 16, 9), (-4, 4, 9), (-4, 1, 9))
+
+_clip = getattr(np, "_core", getattr(np, "core", None)).umath.clip  # the ufunc: np.clip's wrapper costs ~10 µs
+
+
+@functools.lru_cache(maxsize=8)
+def _centres(n: int) -> tuple[np.ndarray, np.ndarray]:
+    c = np.arange(n) + 0.5
+    return c, c * c
+
+
+@functools.lru_cache(maxsize=8)
+def _boundaries(quant_min: int, quant_max: int) -> np.ndarray:
+    return np.arange(quant_min, quant_max) + 0.5
+
+
+
+class ErrorTable:
+    """Look-up tables of a histogram, so that the error of any candidate costs one
+    look-up per rounding boundary.
+
+    ``I(x) = ∫_{-∞}^{x} F(u) du`` (``F`` the CDF, in counts) is piecewise quadratic over the
+    bins: ``I = A[k] + d·(B[k] + d·C[k])`` at ``x`` a fraction ``d`` into bin ``k``. The
+    table covers ``[x_min, x_max]``: below ``lo`` ``I`` is 0, above ``hi`` it grows
+    linearly (``F`` is the total there); look-ups outside the table are still exact,
+    through a slower path.
+
+    Args:
+        hist: ``[n]`` or ``[B, n]`` float64 counts.
+        lo, hi, x_min, x_max: the range and the span look-ups will cover: floats, or
+            ``[B, 1]`` columns for a batch.
+    """
+
+    def __init__(self, hist: np.ndarray, lo, hi, x_min, x_max) -> None:
+        self.batch = batch = hist.ndim == 2
+        n = hist.shape[-1]
+        width = (hi - lo) / n
+        if batch:
+            self.flat = ~(width > 0)  # constant rows: the search leaves them alone
+            w = np.where(self.flat, 1.0, width)
+            pre = max(0, int(((lo - x_min) / w).max())) + 1
+            ext = max(0, int(((x_max - hi) / w).max())) + 1
+        else:
+            self.flat = not width > 0
+            w = 1.0 if self.flat else width
+            pre = max(0, int((lo - x_min) / w)) + 1
+            ext = max(0, int((x_max - hi) / w)) + 1
+        end = pre + n
+        m = end + ext + 1
+        lead = hist.shape[:-1]
+        # inclusive prefix sums of the counts and of count x (bin index + 1/2), in one torch
+        # cumsum (3x NumPy's here); I at edge k is w * (k * S[k-1] - M[k-1])
+        j, j2 = _centres(n)
+        h_t = torch.from_numpy(hist)
+        sm = torch.cumsum(torch.stack((h_t, h_t * torch.from_numpy(j))), -1).numpy()
+        cnt, mom = sm[0], sm[1]
+        total = cnt[..., -1:] if batch else float(cnt[-1])
+        # A and B in one complex table, so one look-up fetches both: B = w * S
+        ab = np.zeros(lead + (m,), np.complex128)
+        a_, b_ = ab.real, ab.imag
+        np.multiply(cnt, j + 0.5, out=a_[..., pre + 1:end + 1])
+        a_[..., pre + 1:end + 1] -= mom
+        a_[..., end + 1:] = np.arange(1, ext + 1) * total + a_[..., end:end + 1]
+        a_ *= w
+        b_[..., pre + 1:end + 1] = cnt
+        b_[..., end + 1:] = total
+        b_ *= w
+        c = np.zeros(lead + (m,))
+        np.multiply(hist, 0.5 * w, out=c[..., pre:end])
+        self.AB, self.C = ab.reshape(-1), c.reshape(-1)
+        self.hist, self.n, self.m, self.lo, self.w, self.total = hist, n, m, lo, w, total
+        self.origin = lo - pre * w  # x at table entry 0
+        # first and second moments of the whole histogram (uniform within bins)
+        hj = mom[..., -1:] if batch else float(mom[-1])
+        hj2 = hist @ j2
+        hj2 = hj2[:, None] if batch else float(hj2)
+        self.t1 = total * lo + w * hj
+        self.t2 = total * lo * lo + 2 * lo * w * hj + w * w * (hj2 + total / 12)
+        self._offsets = (np.arange(hist.shape[0]) * m)[:, None, None] if batch else None
+        self._moments = None
+
+    def sum_integral(self, points: np.ndarray, scale: np.ndarray, shift: np.ndarray) -> np.ndarray:
+        """``Σ_l I(points_l·scale + shift)`` for ascending ``[L]`` points and ``[K]`` (``[B, K]``)
+        scales and shifts: ``[K]`` (``[B, K]``)."""
+        inv_w = 1 / self.w
+        pos = np.multiply.outer(scale * inv_w, points)
+        if np.ndim(shift) == 0 and not self.batch:
+            pos -= (self.origin - shift) * inv_w
+        else:
+            pos += ((shift - self.origin) * inv_w)[..., None]
+        top = self.m - 1
+        above = None
+        if pos[..., -1].max() > top:  # past the table (the points ascend): I is linear there
+            above = np.maximum(pos - top, 0).sum(-1) * (self.total * self.w)
+            _clip(pos, 0, top, out=pos)
+        elif pos[..., 0].min() < 0:  # below the table, I is 0
+            _clip(pos, 0, top, out=pos)
+        k = pos.astype(np.intp)
+        pos -= k
+        if self._offsets is not None:
+            k += self._offsets
+        ab = self.AB.take(k)
+        out = self.C.take(k)
+        out *= pos
+        out += ab.imag
+        out *= pos
+        out += ab.real
+        out = out.sum(-1)
+        return out if above is None else out + above
+
+    def below(self, x: np.ndarray):
+        """Count, first and second moment of the mass below ``x`` (``[K]`` or ``[B, K]``)."""
+        h2 = self.hist.reshape(-1, self.n)
+        lo, w = np.asarray(self.lo).reshape(-1, 1), np.asarray(self.w).reshape(-1, 1)
+        if self._moments is None:
+            e = lo + w * np.arange(self.n + 1)
+            a, z = e[:, :-1], e[:, 1:]
+            pad = lambda v: np.concatenate([np.zeros((v.shape[0], 1)), np.cumsum(v, 1)], 1)  # noqa: E731
+            self._moments = (pad(h2), pad(h2 * (a + z) / 2), pad(h2 * (a * a + a * z + z * z) / 3), e)
+        s0, s1, s2, e = self._moments
+        shape = x.shape
+        x = x.reshape(h2.shape[0], -1)
+        xc = np.clip(x, lo, lo + w * self.n)
+        k = np.minimum(((xc - lo) / w).astype(np.intp), self.n - 1)
+        rows = np.arange(x.shape[0])[:, None]
+        ek = e[rows, k]
+        dens = h2[rows, k] / w
+        return ((s0[rows, k] + dens * (xc - ek)).reshape(shape),
+                (s1[rows, k] + dens * (xc * xc - ek * ek) / 2).reshape(shape),
+                (s2[rows, k] + dens * (xc ** 3 - ek ** 3) / 3).reshape(shape))
+
+
+def mse_error(table: ErrorTable, scale: np.ndarray, zp: np.ndarray, quant_min: int,
+              quant_max: int) -> np.ndarray:
+    """Expected squared error of fake-quantizing the histogram with ``(scale, zp)``.
+
+    Exact for the uniform-within-bin model, rounding and clipping together: level
+    ``ℓ_q = (q − zp)·scale`` collects the mass between the rounding boundaries
+    ``b_q = ℓ_q + scale/2`` (the end levels collect everything beyond: clipping).
+    Summing ``Σ_q Σ_{x in cell q} (x − ℓ_q)²`` by parts over the equally spaced levels
+    gives ``Σ(x − ℓ_top)² − 2·scale·Σ_q I(b_q)``, so a candidate costs one look-up per
+    level boundary.
+
+    Args:
+        scale, zp: ``[K]`` (``[B, K]`` for a batch) candidate qparams, float64; ``zp``
+            may be one number for all.
+
+    Returns:
+        Mean squared error per element, shaped like ``scale``.
+    """
+    if np.ndim(zp) == 0:  # one zero point for all (symmetric): fold it into the points
+        integral = table.sum_integral(_boundaries(quant_min, quant_max) - zp, scale, 0.0)
+    else:
+        integral = table.sum_integral(_boundaries(quant_min, quant_max), scale, -zp * scale)
+    top = (quant_max - zp) * scale
+    t0 = table.total
+    err = top * t0
+    err -= 2 * table.t1
+    err *= top
+    err += table.t2
+    integral *= scale
+    err -= 2 * integral
+    np.maximum(err, 0, out=err)
+    return err / np.maximum(t0, 1)
+
+
+def l2_error(table: ErrorTable, scale: np.ndarray, zp: np.ndarray, quant_min: int,
+             quant_max: int) -> np.ndarray:
+    """torchao's L2 model of the error: exact clipping error plus rounding noise of
+    ``scale²/12`` for all unclipped mass. O(1) per candidate; shaped like
+    :func:`mse_error`."""
+    lo_c = (quant_min - zp) * scale
+    hi_c = (quant_max - zp) * scale
+    a0, a1, a2 = table.below(lo_c)
+    b0, b1, b2 = table.below(hi_c)
+    t0, t1, t2 = table.total, table.t1, table.t2
+    clip_lo = a2 - 2 * lo_c * a1 + lo_c * lo_c * a0
+    clip_hi = (t2 - b2) - 2 * hi_c * (t1 - b1) + hi_c * hi_c * (t0 - b0)
+    inside = (b0 - a0) * scale * scale / 12
+    return (np.maximum(clip_lo, 0) + np.maximum(clip_hi, 0) + inside) / np.maximum(t0, 1)
+
+
+def _host(v) -> np.ndarray:
+    """float64 NumPy view of a tensor (any device), array or number."""
+    if isinstance(v, torch.Tensor):
+        v = v.detach()
+        if v.device.type != "cpu" or v.dtype != torch.float64:
+            v = v.to("cpu", torch.float64)
+        return v.numpy()
+    return np.asarray(v, dtype=np.float64)
+
+
+def search_error(hist: torch.Tensor, lo, hi, qp: dict, objective: str = "mse",
+                 stages=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Range ``(lo_c, hi_c)`` that minimises the expected MSE (``"mse"``) or torchao's L2
+    model (``"l2"``), per histogram row, on the grid of :data:`GRID` clip points per end.
+
+    Symmetric schemes search the threshold ``t`` of ``[-t, t]`` (1D, :data:`STAGES_1D`);
+    affine schemes search both ends (2D, :data:`STAGES_2D`), always keeping 0 in the
+    range. Candidate qparams are those :func:`quantkit._qmath.choose_qparams` gives:
+    for symmetric schemes ``scale = t / symmetric_divisor`` (floored at eps) and the
+    scheme's zero point, in float64; affine candidates go through ``choose_qparams``.
+    Constant rows keep their ``(lo, hi)``.
+
+    Args:
+        hist: ``[n]`` counts, or ``[B, n]`` with one range per row (any device).
+        lo, hi: the ranges: tensors, arrays or numbers (``[B]`` for a batch).
+        qp: ``qscheme, dtype, quant_min, quant_max, eps, customized_qrange``.
+        stages: override the coarse-to-fine schedule (grid units).
+
+    Returns:
+        ``(lo_c, hi_c)``: float64 tensors on ``hist``'s device, shaped ``[]`` or ``[B]``.
+    """
+    err_fn = mse_error if objective == "mse" else l2_error
+    h = _host(hist)
+    batch = h.ndim == 2
+    qmin, qmax = qp["quant_min"], qp["quant_max"]
+    if batch:
+        lo_r, hi_r = _host(lo).reshape(-1, 1), _host(hi).reshape(-1, 1)
+        neg, pos = np.minimum(lo_r, 0.0), np.maximum(hi_r, 0.0)
+    else:
+        lo_r, hi_r = float(lo), float(hi)
+        neg, pos = min(lo_r, 0.0), max(hi_r, 0.0)
+    if is_symmetric(qp["qscheme"]):
+        amax = np.maximum(-neg, pos) if batch else max(-neg, pos)
+        zp = float(symmetric_zero_point(qp["dtype"], qmin, qmax, qp["customized_qrange"]))
+        s_max = amax / symmetric_divisor(qmin, qmax)
+        table = ErrorTable(h, lo_r, hi_r, (qmin - zp) * s_max, (qmax - zp) * s_max)
+        step, eps = s_max / GRID, float(qp["eps"])
+
+        def err_at(j):  # j: [(B,) K] grid units of the threshold
+            s = s_max - step * j
+            np.maximum(s, eps, out=s)
+            return err_fn(table, s, zp, qmin, qmax)
+
+        best = _grid_search(err_at, h.shape[0] if batch else None, 1, stages or STAGES_1D)
+        t = amax * (1 - best / GRID)  # [1] or [B, 1]
+        lo_c, hi_c = -t, t
+    else:
+        s_max = (pos - neg) / (qmax - qmin)
+        table = ErrorTable(h, lo_r, hi_r, neg - s_max, pos + s_max)
+        scheme = torch.per_channel_affine
+
+        def err_at(j):  # j: [(B,) K, 2] grid units of the two ends
+            f = 1 - j / GRID
+            lo_c = np.multiply(neg, f[..., 0])
+            hi_c = np.multiply(pos, f[..., 1])
+            s, z = choose_qparams(torch.from_numpy(lo_c.reshape(-1)), torch.from_numpy(hi_c.reshape(-1)),
+                                  qscheme=scheme, dtype=qp["dtype"], quant_min=qmin, quant_max=qmax,
+                                  eps=qp["eps"], customized_qrange=qp["customized_qrange"])
+            return err_fn(table, s.double().numpy().reshape(lo_c.shape),
+                          z.double().numpy().reshape(lo_c.shape), qmin, qmax)
+
+        best = _grid_search(err_at, h.shape[0] if batch else None, 2, stages or STAGES_2D)
+        f = 1 - best / GRID
+        lo_c, hi_c = neg * f[..., :1], pos * f[..., 1:]
+    if batch:
+        lo_c, hi_c = np.where(table.flat, lo_r, lo_c).reshape(-1), np.where(table.flat, hi_r, hi_c).reshape(-1)
+    elif table.flat:
+        lo_c, hi_c = np.array(lo_r), np.array(hi_r)
+    else:
+        lo_c, hi_c = lo_c.reshape(()), hi_c.reshape(())
+    lo_t, hi_t = torch.from_numpy(lo_c), torch.from_numpy(hi_c)
+    if hist.device.type != "cpu":
+        lo_t, hi_t = lo_t.to(hist.device), hi_t.to(hist.device)
+    return lo_t, hi_t
+
+
+def _grid_search(err_at, rows: int | None, dims: int, stages) -> np.ndarray:
+    """Minimise ``err_at`` over grid points ``j ∈ [0, GRID)^dims``, coarse to fine, per row
+    (``rows`` of them, or one histogram for ``None``).
+
+    ``err_at`` takes ``[(B,) K]`` (1D) or ``[(B,) K, 2]`` (2D) grid points and returns
+    ``[(B,) K]`` errors. Returns the best points, ``[(B,) dims]``.
+    """
+    lead = () if rows is None else (rows,)
+    best = np.zeros(lead + (dims,), dtype=np.intp)
+    best_err = np.full(lead, np.inf)
+    idx = np.arange(rows) if rows is not None else None
+    for first, step, count in stages:
+        offsets = np.arange(first * step, (first + count) * step, step)
+        if dims == 1:
+            j = best + offsets  # [(B,) K]: best is [(B,) 1]
+        else:
+            grid = np.stack(np.meshgrid(offsets, offsets, indexing="ij"), -1).reshape(-1, 2)
+            j = best[..., None, :] + grid  # [(B,) K, 2]
+        _clip(j, 0, GRID - 1, out=j)
+        err = err_at(j)
+        if rows is None:
+            i = int(err.argmin())
+            if err[i] < best_err:
+                best_err, best = err[i], j[i].reshape(dims)
+            continue
+        i = err.argmin(1)
+        err_min = err[idx, i]
+        better = err_min < best_err
+        best = np.where(better[:, None], j[idx, i].reshape(rows, dims), best)
+        best_err = np.where(better, err_min, best_err)
+    return best
