@@ -108,11 +108,7 @@ class QuantkitObserver(ObserverBase):
         Raises:
             ConvertError: if the observer has seen no data.
         """
-        if not self.calibrated:
-            raise ConvertError(
-                f"observer at node '{self.node_name}' has seen no data; "
-                "run quantkit.calibrate(prepared, data) before convert"
-            )
+        self._check_calibrated()
         min_val, max_val = self._min_max()
         return choose_qparams(
             min_val,
@@ -124,6 +120,13 @@ class QuantkitObserver(ObserverBase):
             eps=self.eps,
             customized_qrange=self.has_customized_qrange,
         )
+
+    def _check_calibrated(self) -> None:
+        if not self.calibrated:
+            raise ConvertError(
+                f"observer at node '{self.node_name}' has seen no data; "
+                "run quantkit.calibrate(prepared, data) before convert"
+            )
 
     def merge(self, other: "QuantkitObserver") -> "QuantkitObserver":
         """Fold ``other``'s statistics into this observer (e.g. from another process).

@@ -7,7 +7,7 @@ from enum import Enum
 
 import torch
 
-from quantkit._qmath import is_symmetric
+from quantkit._qmath import choose_qparams, is_symmetric
 
 from . import _histsearch as hs
 from . import _rangesearch as rs
@@ -110,7 +110,7 @@ class HistogramObserver(QuantkitObserver):
 
     @property
     def calibrated(self) -> bool:
-        return bool(self.min_val <= self.max_val)
+        return self.min_val.item() <= self.max_val.item()
 
     def _observe(self, x: torch.Tensor) -> None:
         x = x.float()
@@ -162,23 +162,34 @@ class HistogramObserver(QuantkitObserver):
         return dict(qscheme=self.qscheme, dtype=self.dtype, quant_min=self.quant_min,
                     quant_max=self.quant_max, eps=self.eps, customized_qrange=self.has_customized_qrange)
 
-    def _min_max(self) -> tuple[torch.Tensor, torch.Tensor]:
-        lo, hi = float(self.min_val), float(self.max_val)
-        dev = self.histogram.device
+    def _range(self) -> tuple[float, float]:
+        """The searched range, as floats."""
+        lo, hi = self.min_val.item(), self.max_val.item()
         if hi <= lo:
-            return self.min_val, self.max_val
-        sym = is_symmetric(self.qscheme)
+            return lo, hi
         if self.method is HistogramMethod.KL:
-            a, b = hs.search_kl(self.histogram, lo, hi, self._qp())
-            a, b = torch.tensor(a, device=dev), torch.tensor(b, device=dev)
-        elif self.method is HistogramMethod.PERCENTILE:
-            lo_t = torch.tensor([lo], dtype=torch.float64, device=dev)
-            hi_t = torch.tensor([hi], dtype=torch.float64, device=dev)
-            a, b = hs.percentile_range(self.histogram[None], lo_t, hi_t, self.percentile, sym)
-            a, b = a[0], b[0]
+            return hs.search_kl(self.histogram, lo, hi, self._qp())
+        if self.method is HistogramMethod.PERCENTILE:
+            t = lambda v: torch.tensor([v], dtype=torch.float64, device=self.histogram.device)  # noqa: E731
+            a, b = hs.percentile_range(self.histogram[None], t(lo), t(hi), self.percentile,
+                                       is_symmetric(self.qscheme))
         else:
             a, b = rs.search_error(self.histogram, lo, hi, self._qp(), self.method.value)
-        return a.float(), b.float()
+        return a.item(), b.item()
+
+    def _min_max(self) -> tuple[torch.Tensor, torch.Tensor]:
+        lo, hi = self._range()
+        dev = self.histogram.device
+        return torch.tensor(lo, device=dev), torch.tensor(hi, device=dev)
+
+    def calculate_qparams(self):
+        """``(scale, zero_point)`` of the searched range (see the class docstring)."""
+        if self.histogram.device.type != "cpu":
+            return super().calculate_qparams()
+        self._check_calibrated()
+        lo, hi = self._range()  # floats: choose_qparams' scalar path, no tensors in between
+        return choose_qparams(lo, hi, qscheme=self.qscheme, dtype=self.dtype, quant_min=self.quant_min,
+                              quant_max=self.quant_max, eps=self.eps, customized_qrange=self.has_customized_qrange)
 
     def extra_repr(self) -> str:
         return f"method={self.method.value}, bins={self.bins}, " + super().extra_repr()

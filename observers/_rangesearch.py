@@ -40,9 +40,15 @@ _clip = getattr(np, "_core", getattr(np, "core", None)).umath.clip  # the ufunc:
 
 
 @functools.lru_cache(maxsize=8)
-def _centres(n: int) -> tuple[np.ndarray, np.ndarray]:
+def _centres(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bin centres in bin units (i + 1/2), the bins' upper edges (i + 1), centres squared."""
     c = np.arange(n) + 0.5
-    return c, c * c
+    return c, c + 0.5, c * c
+
+
+@functools.lru_cache(maxsize=8)
+def _ones(n: int) -> np.ndarray:
+    return np.ones(n)
 
 
 @functools.lru_cache(maxsize=8)
@@ -84,23 +90,22 @@ class ErrorTable:
         end = pre + n
         m = end + ext + 1
         lead = hist.shape[:-1]
-        # inclusive prefix sums of the counts and of count x (bin index + 1/2), in one torch
-        # cumsum (3x NumPy's here); I at edge k is w * (k * S[k-1] - M[k-1])
-        j, j2 = _centres(n)
+        # inclusive prefix sums of the counts and of count x (bin index + 1/2), by torch's
+        # cumsum (a third of NumPy's cost here); I at edge k is w * (k * S[k-1] - M[k-1])
+        j, j1, j2 = _centres(n)
         h_t = torch.from_numpy(hist)
-        sm = torch.cumsum(torch.stack((h_t, h_t * torch.from_numpy(j))), -1).numpy()
-        cnt, mom = sm[0], sm[1]
+        cnt = torch.cumsum(h_t, -1).numpy()
+        mom = torch.cumsum(h_t * torch.from_numpy(j), -1).numpy()
         total = cnt[..., -1:] if batch else float(cnt[-1])
         # A and B in one complex table, so one look-up fetches both: B = w * S
         ab = np.zeros(lead + (m,), np.complex128)
         a_, b_ = ab.real, ab.imag
-        np.multiply(cnt, j + 0.5, out=a_[..., pre + 1:end + 1])
+        np.multiply(cnt, j1, out=a_[..., pre + 1:end + 1])
         a_[..., pre + 1:end + 1] -= mom
         a_[..., end + 1:] = np.arange(1, ext + 1) * total + a_[..., end:end + 1]
-        a_ *= w
         b_[..., pre + 1:end + 1] = cnt
         b_[..., end + 1:] = total
-        b_ *= w
+        ab *= w
         c = np.zeros(lead + (m,))
         np.multiply(hist, 0.5 * w, out=c[..., pre:end])
         self.AB, self.C = ab.reshape(-1), c.reshape(-1)
@@ -115,21 +120,26 @@ class ErrorTable:
         self._offsets = (np.arange(hist.shape[0]) * m)[:, None, None] if batch else None
         self._moments = None
 
-    def sum_integral(self, points: np.ndarray, scale: np.ndarray, shift: np.ndarray) -> np.ndarray:
+    def sum_integral(self, points: np.ndarray, scale: np.ndarray, shift) -> np.ndarray:
         """``Σ_l I(points_l·scale + shift)`` for ascending ``[L]`` points and ``[K]`` (``[B, K]``)
-        scales and shifts: ``[K]`` (``[B, K]``)."""
+        positive scales and shifts (or one shift for all): ``[K]`` (``[B, K]``)."""
         inv_w = 1 / self.w
         pos = np.multiply.outer(scale * inv_w, points)
-        if np.ndim(shift) == 0 and not self.batch:
+        if isinstance(shift, float) and not self.batch:
             pos -= (self.origin - shift) * inv_w
+            # the extreme positions, from the extreme scales (cheaper than scanning pos)
+            s_lo, s_hi = float(scale.min()) * inv_w, float(scale.max()) * inv_w
+            off = (shift - self.origin) * inv_w
+            ends = (s_lo * points[0], s_hi * points[0], s_lo * points[-1], s_hi * points[-1])
+            below, past = min(ends) + off < 0, max(ends) + off > self.m - 1
         else:
             pos += ((shift - self.origin) * inv_w)[..., None]
+            below, past = pos[..., 0].min() < 0, pos[..., -1].max() > self.m - 1
         top = self.m - 1
         above = None
-        if pos[..., -1].max() > top:  # past the table (the points ascend): I is linear there
-            above = np.maximum(pos - top, 0).sum(-1) * (self.total * self.w)
-            _clip(pos, 0, top, out=pos)
-        elif pos[..., 0].min() < 0:  # below the table, I is 0
+        if past:  # past the table: I is linear there
+            above = np.maximum(pos - top, 0) @ _ones(len(points)) * (self.total * self.w)
+        if past or below:  # below the table, I is 0
             _clip(pos, 0, top, out=pos)
         k = pos.astype(np.intp)
         pos -= k
@@ -141,7 +151,7 @@ class ErrorTable:
         out += ab.imag
         out *= pos
         out += ab.real
-        out = out.sum(-1)
+        out = out @ _ones(len(points))  # BLAS: half of out.sum(-1)'s cost here
         return out if above is None else out + above
 
     def below(self, x: np.ndarray):
@@ -184,20 +194,26 @@ def mse_error(table: ErrorTable, scale: np.ndarray, zp: np.ndarray, quant_min: i
     Returns:
         Mean squared error per element, shaped like ``scale``.
     """
-    if np.ndim(zp) == 0:  # one zero point for all (symmetric): fold it into the points
+    err = _mse_part(table, scale, zp, quant_min, quant_max)
+    err += table.t2
+    np.maximum(err, 0, out=err)
+    return err / np.maximum(table.total, 1)
+
+
+def _mse_part(table: ErrorTable, scale: np.ndarray, zp, quant_min: int, quant_max: int) -> np.ndarray:
+    """``N·mse − Σx²``: the part of :func:`mse_error` that depends on the candidate (the
+    search minimises it: fewer operations)."""
+    if isinstance(zp, float):  # one zero point for all (symmetric): fold it into the points
         integral = table.sum_integral(_boundaries(quant_min, quant_max) - zp, scale, 0.0)
     else:
         integral = table.sum_integral(_boundaries(quant_min, quant_max), scale, -zp * scale)
     top = (quant_max - zp) * scale
-    t0 = table.total
-    err = top * t0
-    err -= 2 * table.t1
-    err *= top
-    err += table.t2
+    part = top * table.total
+    part -= 2 * table.t1
+    part *= top
     integral *= scale
-    err -= 2 * integral
-    np.maximum(err, 0, out=err)
-    return err / np.maximum(t0, 1)
+    part -= 2 * integral
+    return part
 
 
 def l2_error(table: ErrorTable, scale: np.ndarray, zp: np.ndarray, quant_min: int,
@@ -219,10 +235,9 @@ def l2_error(table: ErrorTable, scale: np.ndarray, zp: np.ndarray, quant_min: in
 def _host(v) -> np.ndarray:
     """float64 NumPy view of a tensor (any device), array or number."""
     if isinstance(v, torch.Tensor):
-        v = v.detach()
-        if v.device.type != "cpu" or v.dtype != torch.float64:
+        if v.dtype != torch.float64 or v.device.type != "cpu":
             v = v.to("cpu", torch.float64)
-        return v.numpy()
+        return v.detach().numpy() if v.requires_grad else v.numpy()
     return np.asarray(v, dtype=np.float64)
 
 
@@ -247,7 +262,7 @@ def search_error(hist: torch.Tensor, lo, hi, qp: dict, objective: str = "mse",
     Returns:
         ``(lo_c, hi_c)``: float64 tensors on ``hist``'s device, shaped ``[]`` or ``[B]``.
     """
-    err_fn = mse_error if objective == "mse" else l2_error
+    err_fn = _mse_part if objective == "mse" else l2_error
     h = _host(hist)
     batch = h.ndim == 2
     qmin, qmax = qp["quant_min"], qp["quant_max"]
@@ -309,6 +324,18 @@ def _grid_search(err_at, rows: int | None, dims: int, stages) -> np.ndarray:
     ``err_at`` takes ``[(B,) K]`` (1D) or ``[(B,) K, 2]`` (2D) grid points and returns
     ``[(B,) K]`` errors. Returns the best points, ``[(B,) dims]``.
     """
+    if rows is None and dims == 1:  # one histogram, one dimension: plain ints between stages
+        best, best_err = 0, np.inf
+        for first, step, count in stages:
+            start = best + first * step
+            j = np.arange(start, start + count * step, step)
+            if start < 0 or start + (count - 1) * step > GRID - 1:
+                _clip(j, 0, GRID - 1, out=j)
+            err = err_at(j)
+            i = int(err.argmin())
+            if err[i] < best_err:
+                best_err, best = err[i], int(j[i])
+        return np.array([best])
     lead = () if rows is None else (rows,)
     best = np.zeros(lead + (dims,), dtype=np.intp)
     best_err = np.full(lead, np.inf)
@@ -316,7 +343,7 @@ def _grid_search(err_at, rows: int | None, dims: int, stages) -> np.ndarray:
     for first, step, count in stages:
         offsets = np.arange(first * step, (first + count) * step, step)
         if dims == 1:
-            j = best + offsets  # [(B,) K]: best is [(B,) 1]
+            j = best + offsets  # [B, K]: best is [B, 1]
         else:
             grid = np.stack(np.meshgrid(offsets, offsets, indexing="ij"), -1).reshape(-1, 2)
             j = best[..., None, :] + grid  # [(B,) K, 2]

@@ -107,7 +107,11 @@ def _choose_qparams_scalar(min_val, max_val, qscheme, dtype, quant_min, quant_ma
     rounding of the exact float64 result is the float32 result for +, -, / and max:
     53 >= 2*24 + 2 bits). A third of the tensor path's cost, which is ~15 small ops.
     Returns None where that argument does not hold and the caller uses the tensors."""
-    if min_val.device.type != "cpu" or quant_max - quant_min > 2**16 or (
+    if isinstance(min_val, torch.Tensor) and (min_val.numel() != 1 or min_val.device.type != "cpu"):
+        return None
+    if isinstance(max_val, torch.Tensor) and (max_val.numel() != 1 or max_val.device.type != "cpu"):
+        return None
+    if quant_max - quant_min > 2**16 or (
             isinstance(eps, torch.Tensor) and (eps.numel() != 1 or eps.device.type != "cpu")):
         return None
     lo, hi, floor = _f32(float(min_val)), _f32(float(max_val)), _f32(float(eps))
@@ -121,12 +125,13 @@ def _choose_qparams_scalar(min_val, max_val, qscheme, dtype, quant_min, quant_ma
         scale = max(_f32(_f32(pos - neg) / _f32(float(quant_max - quant_min))), floor)
         zero_point = quant_min - round(_f32(neg / scale))  # round half to even, as torch.round
         zero_point = min(max(zero_point, quant_min), quant_max)
-    return torch.tensor([scale], dtype=torch.float32), torch.tensor([zero_point], dtype=torch.int64)
+    # from_numpy: a third of torch.tensor's cost
+    return torch.from_numpy(np.array([scale], np.float32)), torch.from_numpy(np.array([zero_point], np.int64))
 
 
 def choose_qparams(
-    min_val: torch.Tensor,
-    max_val: torch.Tensor,
+    min_val: torch.Tensor | float,
+    max_val: torch.Tensor | float,
     *,
     qscheme: torch.qscheme,
     dtype: torch.dtype,
@@ -141,7 +146,8 @@ def choose_qparams(
     A constant or all-zero tensor never gets a zero scale: scales are floored at ``eps``.
 
     Args:
-        min_val, max_val: observed minimum and maximum (scalars, or one per channel).
+        min_val, max_val: observed minimum and maximum: tensors (scalars, or one per
+            channel), or Python floats for a per-tensor scheme.
         qscheme: torch.per_tensor_affine / per_tensor_symmetric / per_channel_*.
         dtype: target integer dtype; decides the symmetric zero point for unsigned types.
         quant_min, quant_max: integer range.
@@ -153,11 +159,13 @@ def choose_qparams(
         ``(scale, zero_point)``: float32 and int64 tensors of shape ``[1]`` (per tensor)
         or ``[C]`` (per channel).
     """
-    if qscheme in _PER_TENSOR and min_val.numel() == 1 and max_val.numel() == 1:
+    if qscheme in _PER_TENSOR:
         fast = _choose_qparams_scalar(min_val, max_val, qscheme, dtype, quant_min, quant_max, eps,
                                       customized_qrange)
         if fast is not None:
             return fast
+    if not isinstance(min_val, torch.Tensor):
+        min_val, max_val = torch.tensor(float(min_val)), torch.tensor(float(max_val))
     min_val = min_val.detach().float()
     max_val = max_val.detach().float()
     device = min_val.device
