@@ -6,7 +6,9 @@ import torch
 from torchao.quantization.pt2e.observer import ObserverBase
 
 from quantkit._errors import CalibrationError, ConvertError
-from quantkit._qmath import DEFAULT_EPS, choose_qparams, default_qrange, underlying_dtype
+from quantkit._qmath import DEFAULT_EPS, choose_qparams, default_qrange, is_per_channel, underlying_dtype
+
+from ._tokens import real_tokens
 
 __all__ = ["QuantkitObserver"]
 
@@ -19,6 +21,8 @@ _QSCHEMES = (
 
 
 class QuantkitObserver(ObserverBase):
+    padding_aware = False
+
     """Base class of quantkit's observers.
 
     It subclasses torchao's ``ObserverBase``, so quantkit observers can be used as
@@ -69,6 +73,9 @@ class QuantkitObserver(ObserverBase):
         self.register_buffer("eps", torch.tensor([eps], dtype=torch.float32))
         # set by quantkit.prepare: names the graph edge this observer watches
         self.node_name = "<unattached>"
+        # set by quantkit.prepare on observers of [batch, ..., tokens, ...] activations:
+        # calibration can then leave padding tokens out (see _tokens.token_mask)
+        self.padding_aware = False
 
     # --- to implement in subclasses -------------------------------------------------
     @property
@@ -92,7 +99,13 @@ class QuantkitObserver(ObserverBase):
             raise CalibrationError(
                 f"observer at node '{self.node_name}' got a {x.dtype} tensor; only floating-point tensors can be quantized"
             )
-        self._observe(x.detach())
+        if self.padding_aware and not is_per_channel(self.qscheme):
+            real = real_tokens(x)
+            if real.numel() == 0:  # all padding
+                return x
+            self._observe(real.detach())
+        else:
+            self._observe(x.detach())
         return x
 
     def _check_finite(self, min_val: torch.Tensor, max_val: torch.Tensor) -> None:

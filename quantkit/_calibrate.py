@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
+from quantkit.observers._tokens import token_mask
+
 from ._errors import CalibrationError, QuantkitError
 from ._inputs import call_model
 
@@ -24,9 +26,20 @@ def _total(data: Any, max_batches: int | None) -> int | None:
     return n
 
 
+def _padding_mask(batch) -> torch.Tensor | None:
+    """The batch's ``attention_mask`` (Hugging Face convention: 1 = real token), if it
+    has padding."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or bool(mask.bool().all()):
+        return None
+    return mask
+
+
 def run_batches(model: torch.nn.Module, data: Iterable, *, progress: bool, max_batches: int | None,
-                desc: str, what: str) -> int:
-    """Run ``model`` on each batch of ``data`` under no_grad; returns the batch count."""
+                desc: str, what: str, skip_padding: bool = False) -> int:
+    """Run ``model`` on each batch of ``data`` under no_grad; returns the batch count.
+    With ``skip_padding``, observers leave out the tokens a batch's ``attention_mask``
+    marks as padding."""
     if isinstance(data, (torch.Tensor, Mapping)) or not isinstance(data, Iterable):
         raise TypeError(
             f"{what} data must be an iterable of batches (e.g. a list of tensors, tuples or dicts, "
@@ -44,7 +57,8 @@ def run_batches(model: torch.nn.Module, data: Iterable, *, progress: bool, max_b
                 if max_batches is not None and seen >= max_batches:
                     break
                 try:
-                    call_model(model, batch)
+                    with token_mask(_padding_mask(batch) if skip_padding else None):
+                        call_model(model, batch)
                 except QuantkitError:
                     raise
                 except (AssertionError, RuntimeError) as exc:
@@ -63,7 +77,7 @@ def run_batches(model: torch.nn.Module, data: Iterable, *, progress: bool, max_b
 
 
 def calibrate(prepared: GraphModule, data: Iterable, *, progress: bool = True,
-              max_batches: int | None = None) -> GraphModule:
+              max_batches: int | None = None, skip_padding: bool = True) -> GraphModule:
     """Run ``data`` through a prepared model so its observers record ranges.
 
     Args:
@@ -72,6 +86,10 @@ def calibrate(prepared: GraphModule, data: Iterable, *, progress: bool = True,
             arguments or a dict of keyword arguments. Batch sizes may vary.
         progress: show a progress bar.
         max_batches: stop after this many batches.
+        skip_padding: for dict batches with an ``attention_mask`` (Hugging Face style),
+            observers leave out the padding tokens it marks (0), so that ranges describe
+            real tokens only. Applies to observers of ``[batch, ..., tokens, ...]``
+            activations of a graph with an ``attention_mask`` input.
 
     Returns:
         ``prepared`` itself (calibration updates it in place).
@@ -83,7 +101,7 @@ def calibrate(prepared: GraphModule, data: Iterable, *, progress: bool = True,
     if not isinstance(prepared, GraphModule) or not prepared.meta.get("quantkit_prepared", False):
         raise TypeError("calibrate expects a model returned by quantkit.prepare")
     seen = run_batches(prepared, data, progress=progress, max_batches=max_batches,
-                       desc="calibrating", what="calibration")
+                       desc="calibrating", what="calibration", skip_padding=skip_padding)
     if seen == 0:
         raise CalibrationError(
             "calibration data is empty: no batches were run; pass at least one representative batch"

@@ -7,10 +7,12 @@ import copy
 import torch
 from torch.fx import GraphModule, Node
 
+from quantkit.observers._tokens import token_dim
+
 from ._fold_bn import fold_conv_bn
 from ._sharing import ANNOTATION_KEY, EdgeOrNode, observers_for_annotations
 
-__all__ = ["prepare", "OBSERVER_PREFIX", "is_observer_node"]
+__all__ = ["prepare", "OBSERVER_PREFIX", "is_observer_node", "mark_token_dims"]
 
 OBSERVER_PREFIX = "activation_post_process_"
 
@@ -85,6 +87,44 @@ class _Inserter:
                 user.replace_input_with(node, obs_node)
 
 
+def _static_or_symbolic(size):
+    return size if isinstance(size, int) else str(size)
+
+
+def mark_token_dims(gm: GraphModule) -> None:
+    """Mark the observers of activations laid out ``[batch, ..., tokens, ...]`` as
+    ``padding_aware``, so that :func:`quantkit.calibrate` can leave padding tokens out.
+    The layout is read off the graph's ``attention_mask`` input (``[batch, tokens]``,
+    the Hugging Face name); observers of weights, and any observer with a call site of
+    another layout, stay unaware."""
+    mask = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "attention_mask"), None)
+    val = None if mask is None else mask.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 2:
+        return
+    batch, tokens = (_static_or_symbolic(s) for s in val.shape)
+    modules = dict(gm.named_modules(remove_duplicate=False))
+    aware: dict[int, tuple[torch.nn.Module, bool]] = {}
+    for node in gm.graph.nodes:
+        if not is_observer_node(node, modules):
+            continue
+        obs = modules[str(node.target)]
+        src = node.args[0] if node.args else None
+        while isinstance(src, Node) and is_observer_node(src, modules):
+            src = src.args[0]
+        shape = getattr(node.meta.get("val"), "shape", None)
+        ok = not (isinstance(src, Node) and src.op == "get_attr") and shape is not None
+        if ok:
+            shape = [_static_or_symbolic(s) for s in shape]
+            if not isinstance(batch, int) and len(shape) > 0 and not isinstance(shape[0], int):
+                shape[0] = batch  # export gives each input's dynamic batch its own symbol
+            ok = token_dim(shape, batch, tokens) is not None
+        prev = aware.get(id(obs), (obs, True))[1]
+        aware[id(obs)] = (obs, prev and ok)
+    for obs, ok in aware.values():
+        if hasattr(obs, "padding_aware"):
+            obs.padding_aware = ok
+
+
 def prepare(model: GraphModule, quantizer) -> GraphModule:
     """Annotate ``model`` with ``quantizer`` and insert observers where it asks.
 
@@ -121,6 +161,7 @@ def prepare(model: GraphModule, quantizer) -> GraphModule:
     inserter = _Inserter(model, observers)
     for node in list(model.graph.nodes):
         inserter.process(node)
+    mark_token_dims(model)
     prepared = GraphModule(model, model.graph)
     prepared.meta.update(meta)
     prepared.meta["quantkit_prepared"] = True

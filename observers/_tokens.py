@@ -1,0 +1,60 @@
+"""Padding-aware calibration: observers skip the padding tokens of a batch.
+
+Padded batches (every sentence padded to one length) feed the observers activations of
+tokens that carry no data. Most of a batch can be padding (88% for 128-token batches of
+short sentences), and their activations skew a histogram's range search towards them.
+While :func:`token_mask` is active, an activation observer (``padding_aware``, set by
+``quantkit.prepare``) observes only the positions the mask marks as real.
+
+The token dimension is found from the input's shape at each call (one observer can watch
+one tensor in several layouts, e.g. before and after attention's head split): dim 0 must
+be the mask's batch size and the token dimension its token count, looked for at dim 1 of
+``[B, S, ...]`` and at dims 2, 3, then 1 of a 4-D tensor (attention's ``[B, heads, S, d]``
+and ``[B, heads, d, S]``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+
+__all__ = ["token_mask", "token_dim", "real_tokens"]
+
+_MASK: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("quantkit_token_mask", default=None)
+
+
+@contextlib.contextmanager
+def token_mask(mask: torch.Tensor | None):
+    """Within the block, observers see only the tokens where ``mask`` (``[batch, tokens]``)
+    is true; ``None`` turns masking off."""
+    token = _MASK.set(None if mask is None else mask.to(torch.bool))
+    try:
+        yield
+    finally:
+        _MASK.reset(token)
+
+
+def token_dim(shape, batch, tokens) -> int | None:
+    """The token dimension of an activation ``shape`` for a ``[batch, tokens]`` mask, by
+    the rule in the module docstring; None if there is none."""
+    if len(shape) < 2 or shape[0] != batch:
+        return None
+    order = (2, 3, 1) if len(shape) == 4 else (1,)
+    return next((d for d in order if shape[d] == tokens), None)
+
+
+def real_tokens(x: torch.Tensor) -> torch.Tensor:
+    """``x`` without the masked-out tokens: ``[n_real, ...]`` with the batch and token
+    dimensions merged (the others keep their order), or ``x`` itself when no mask is
+    active or ``x`` has no ``[batch, tokens]`` layout."""
+    mask = _MASK.get()
+    if mask is None:
+        return x
+    d = token_dim(x.shape, mask.shape[0], mask.shape[1])
+    if d is None:
+        return x
+    if mask.device != x.device:
+        mask = mask.to(x.device)
+    return x.movedim(d, 1)[mask]
