@@ -166,6 +166,8 @@ class HistogramObserver(QuantkitObserver):
         """The searched range, as floats."""
         lo, hi = self.min_val.item(), self.max_val.item()
         if hi <= lo:
+            if lo > hi:
+                self._check_calibrated()
             return lo, hi
         if self.method is HistogramMethod.KL:
             return hs.search_kl(self.histogram, lo, hi, self._qp())
@@ -174,7 +176,7 @@ class HistogramObserver(QuantkitObserver):
             a, b = hs.percentile_range(self.histogram[None], t(lo), t(hi), self.percentile,
                                        is_symmetric(self.qscheme))
         else:
-            a, b = rs.search_error(self.histogram, lo, hi, self._qp(), self.method.value)
+            return rs.search_range(rs.host(self.histogram), lo, hi, self._qp(), self.method.value)
         return a.item(), b.item()
 
     def _min_max(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +188,6 @@ class HistogramObserver(QuantkitObserver):
         """``(scale, zero_point)`` of the searched range (see the class docstring)."""
         if self.histogram.device.type != "cpu":
             return super().calculate_qparams()
-        self._check_calibrated()
         lo, hi = self._range()  # floats: choose_qparams' scalar path, no tensors in between
         return choose_qparams(lo, hi, qscheme=self.qscheme, dtype=self.dtype, quant_min=self.quant_min,
                               quant_max=self.quant_max, eps=self.eps, customized_qrange=self.has_customized_qrange)

@@ -23,7 +23,8 @@ import torch
 
 from quantkit._qmath import choose_qparams, is_symmetric, symmetric_divisor, symmetric_zero_point
 
-__all__ = ["GRID", "STAGES_1D", "STAGES_2D", "ErrorTable", "mse_error", "l2_error", "search_error"]
+__all__ = ["GRID", "STAGES_1D", "STAGES_2D", "ErrorTable", "mse_error", "l2_error", "search_error", "host",
+           "search_range"]
 
 # candidate clip points: the fractions j / GRID of the observed range cut off (j = 0: min-max)
 GRID = 2048
@@ -46,14 +47,20 @@ def _centres(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return c, c + 0.5, c * c
 
 
+@functools.lru_cache(maxsize=64)
+def _steps(n: int) -> np.ndarray:
+    return np.arange(1.0, n + 1)
+
+
 @functools.lru_cache(maxsize=8)
 def _ones(n: int) -> np.ndarray:
     return np.ones(n)
 
 
-@functools.lru_cache(maxsize=8)
-def _boundaries(quant_min: int, quant_max: int) -> np.ndarray:
-    return np.arange(quant_min, quant_max) + 0.5
+@functools.lru_cache(maxsize=16)
+def _boundaries(quant_min: int, quant_max: int, zp: float) -> np.ndarray:
+    """The rounding boundaries between levels, in units of the scale from zero point ``zp``."""
+    return np.arange(quant_min, quant_max) + (0.5 - zp)
 
 
 
@@ -102,7 +109,8 @@ class ErrorTable:
         a_, b_ = ab.real, ab.imag
         np.multiply(cnt, j1, out=a_[..., pre + 1:end + 1])
         a_[..., pre + 1:end + 1] -= mom
-        a_[..., end + 1:] = np.arange(1, ext + 1) * total + a_[..., end:end + 1]
+        np.multiply(_steps(ext), total, out=a_[..., end + 1:])  # I grows by the total per bin
+        a_[..., end + 1:] += a_[..., end:end + 1]
         b_[..., pre + 1:end + 1] = cnt
         b_[..., end + 1:] = total
         ab *= w
@@ -120,12 +128,17 @@ class ErrorTable:
         self._offsets = (np.arange(hist.shape[0]) * m)[:, None, None] if batch else None
         self._moments = None
 
-    def sum_integral(self, points: np.ndarray, scale: np.ndarray, shift) -> np.ndarray:
+    def sum_integral(self, points: np.ndarray, scale: np.ndarray, shift, covered: bool = False) -> np.ndarray:
         """``Σ_l I(points_l·scale + shift)`` for ascending ``[L]`` points and ``[K]`` (``[B, K]``)
-        positive scales and shifts (or one shift for all): ``[K]`` (``[B, K]``)."""
+        positive scales and shifts (or one shift for all): ``[K]`` (``[B, K]``).
+        ``covered``: the caller knows every point lies within ``[x_min, x_max]``."""
         inv_w = 1 / self.w
         pos = np.multiply.outer(scale * inv_w, points)
-        if isinstance(shift, float) and not self.batch:
+        if covered:
+            off = (shift - self.origin) * inv_w
+            pos += off if isinstance(off, float) else off[..., None]
+            below = past = False
+        elif isinstance(shift, float) and not self.batch:
             pos -= (self.origin - shift) * inv_w
             # the extreme positions, from the extreme scales (cheaper than scanning pos)
             s_lo, s_hi = float(scale.min()) * inv_w, float(scale.max()) * inv_w
@@ -200,13 +213,20 @@ def mse_error(table: ErrorTable, scale: np.ndarray, zp: np.ndarray, quant_min: i
     return err / np.maximum(table.total, 1)
 
 
-def _mse_part(table: ErrorTable, scale: np.ndarray, zp, quant_min: int, quant_max: int) -> np.ndarray:
+def _mse_part(table: ErrorTable, scale: np.ndarray, zp, quant_min: int, quant_max: int,
+              covered: bool = False) -> np.ndarray:
     """``N·mse − Σx²``: the part of :func:`mse_error` that depends on the candidate (the
     search minimises it: fewer operations)."""
     if isinstance(zp, float):  # one zero point for all (symmetric): fold it into the points
-        integral = table.sum_integral(_boundaries(quant_min, quant_max) - zp, scale, 0.0)
-    else:
-        integral = table.sum_integral(_boundaries(quant_min, quant_max), scale, -zp * scale)
+        integral = table.sum_integral(_boundaries(quant_min, quant_max, zp), scale, 0.0, covered)
+        c = quant_max - zp  # top level = c * scale
+        # part = top² N − 2 top t1 − 2 scale ΣI = scale (scale c² N − 2 c t1 − 2 ΣI)
+        integral *= -2
+        integral += scale * (c * c * table.total)
+        integral -= 2 * c * table.t1
+        integral *= scale
+        return integral
+    integral = table.sum_integral(_boundaries(quant_min, quant_max, 0.0), scale, -zp * scale, covered)
     top = (quant_max - zp) * scale
     part = top * table.total
     part -= 2 * table.t1
@@ -232,7 +252,7 @@ def l2_error(table: ErrorTable, scale: np.ndarray, zp: np.ndarray, quant_min: in
     return (np.maximum(clip_lo, 0) + np.maximum(clip_hi, 0) + inside) / np.maximum(t0, 1)
 
 
-def _host(v) -> np.ndarray:
+def host(v) -> np.ndarray:
     """float64 NumPy view of a tensor (any device), array or number."""
     if isinstance(v, torch.Tensor):
         if v.dtype != torch.float64 or v.device.type != "cpu":
@@ -262,12 +282,21 @@ def search_error(hist: torch.Tensor, lo, hi, qp: dict, objective: str = "mse",
     Returns:
         ``(lo_c, hi_c)``: float64 tensors on ``hist``'s device, shaped ``[]`` or ``[B]``.
     """
+    lo_c, hi_c = search_range(host(hist), lo, hi, qp, objective, stages)
+    lo_t, hi_t = torch.from_numpy(np.asarray(lo_c, np.float64)), torch.from_numpy(np.asarray(hi_c, np.float64))
+    if hist.device.type != "cpu":
+        lo_t, hi_t = lo_t.to(hist.device), hi_t.to(hist.device)
+    return lo_t, hi_t
+
+
+def search_range(h: np.ndarray, lo, hi, qp: dict, objective: str = "mse", stages=None):
+    """:func:`search_error` on a host histogram: floats for one histogram, ``[B]`` arrays
+    for a batch."""
     err_fn = _mse_part if objective == "mse" else l2_error
-    h = _host(hist)
     batch = h.ndim == 2
     qmin, qmax = qp["quant_min"], qp["quant_max"]
     if batch:
-        lo_r, hi_r = _host(lo).reshape(-1, 1), _host(hi).reshape(-1, 1)
+        lo_r, hi_r = host(lo).reshape(-1, 1), host(hi).reshape(-1, 1)
         neg, pos = np.minimum(lo_r, 0.0), np.maximum(hi_r, 0.0)
     else:
         lo_r, hi_r = float(lo), float(hi)
@@ -278,14 +307,17 @@ def search_error(hist: torch.Tensor, lo, hi, qp: dict, objective: str = "mse",
         s_max = amax / symmetric_divisor(qmin, qmax)
         table = ErrorTable(h, lo_r, hi_r, (qmin - zp) * s_max, (qmax - zp) * s_max)
         step, eps = s_max / GRID, float(qp["eps"])
+        # the table spans the boundaries of every scale up to s_max: unless eps lifts some
+        # scale above it, look-ups need no range checks
+        kw = {"covered": bool(np.all(s_max >= eps))} if err_fn is _mse_part else {}
 
         def err_at(j):  # j: [(B,) K] grid units of the threshold
             s = s_max - step * j
             np.maximum(s, eps, out=s)
-            return err_fn(table, s, zp, qmin, qmax)
+            return err_fn(table, s, zp, qmin, qmax, **kw)
 
         best = _grid_search(err_at, h.shape[0] if batch else None, 1, stages or STAGES_1D)
-        t = amax * (1 - best / GRID)  # [1] or [B, 1]
+        t = amax * (1 - best / GRID) if batch else amax * (1 - int(best[0]) / GRID)  # [B, 1] or float
         lo_c, hi_c = -t, t
     else:
         s_max = (pos - neg) / (qmax - qmin)
@@ -305,16 +337,13 @@ def search_error(hist: torch.Tensor, lo, hi, qp: dict, objective: str = "mse",
         best = _grid_search(err_at, h.shape[0] if batch else None, 2, stages or STAGES_2D)
         f = 1 - best / GRID
         lo_c, hi_c = neg * f[..., :1], pos * f[..., 1:]
+        if not batch:
+            lo_c, hi_c = float(lo_c[0]), float(hi_c[0])
     if batch:
-        lo_c, hi_c = np.where(table.flat, lo_r, lo_c).reshape(-1), np.where(table.flat, hi_r, hi_c).reshape(-1)
-    elif table.flat:
-        lo_c, hi_c = np.array(lo_r), np.array(hi_r)
-    else:
-        lo_c, hi_c = lo_c.reshape(()), hi_c.reshape(())
-    lo_t, hi_t = torch.from_numpy(lo_c), torch.from_numpy(hi_c)
-    if hist.device.type != "cpu":
-        lo_t, hi_t = lo_t.to(hist.device), hi_t.to(hist.device)
-    return lo_t, hi_t
+        return np.where(table.flat, lo_r, lo_c).reshape(-1), np.where(table.flat, hi_r, hi_c).reshape(-1)
+    return (lo_r, hi_r) if table.flat else (lo_c, hi_c)
+
+
 
 
 def _grid_search(err_at, rows: int | None, dims: int, stages) -> np.ndarray:
