@@ -102,7 +102,9 @@ def bench_search(xs) -> list[str]:
     theirs = TorchaoHistogram(bins=2048)
     for x in xs:
         theirs(x)
-    t_torchao = _timeit(theirs.calculate_qparams, 3)
+    # medians of many calls (a search is ~0.3 ms: 9 samples right after the update phase
+    # still include cache warm-up); the per-candidate references run 3 times each
+    t_torchao = _timeit(theirs.calculate_qparams, 20)
     rows = ["| method | scheme | search + qparams | vs torchao's calculate_qparams | vs per-candidate reference |",
             "|---|---|---:|---:|---:|"]
     refs = {}
@@ -111,7 +113,7 @@ def bench_search(xs) -> list[str]:
             obs = HistogramObserver(method=method, **scheme)
             for x in xs:
                 obs(x)
-            t = _timeit(obs.calculate_qparams, 9)
+            t = _timeit(obs.calculate_qparams, 50)
             ref = ""
             if scheme_name == "symmetric" and method in ("kl", "mse"):
                 lo, hi = float(obs.min_val), float(obs.max_val)
@@ -122,14 +124,10 @@ def bench_search(xs) -> list[str]:
                     ah, amax = hs.abs_histogram(obs.histogram[None], obs.min_val.double().view(1),
                                                 obs.max_val.double().view(1))
                     ref_fn = lambda: mse_threshold_reference(ah[0].numpy(), float(amax))  # noqa: E731
-                t0 = time.perf_counter()
-                ref_fn()
-                refs[method] = time.perf_counter() - t0
+                refs[method] = _timeit(ref_fn, 3)
                 ref = f"{refs[method] / t:.0f}× faster ({refs[method]:.3f} s)"
                 if method == "mse":
-                    t0 = time.perf_counter()
-                    mse_amax_torch_loop(ah[0].numpy(), float(amax))
-                    t_loop = time.perf_counter() - t0
+                    t_loop = _timeit(lambda: mse_amax_torch_loop(ah[0].numpy(), float(amax)), 3)
                     ref += f"; torch loop: {t_loop / t:.0f}× faster ({t_loop:.3f} s)"
             rows.append(f"| {method} | {scheme_name} | {t * 1e3:.2f} ms | {t_torchao / t:.1f}× faster | {ref} |")
     rows.append(f"| torchao HistogramObserver (L2, greedy) | affine | {t_torchao * 1e3:.1f} ms | 1.0× | |")
