@@ -17,6 +17,8 @@ from typing import Iterable
 import torch
 from torch.fx import GraphModule, Node
 
+from quantkit.observers._tokens import real_tokens
+
 from ._calibrate import run_batches
 from ._capture import capture
 from ._layers import DEQUANTIZE_OPS, layer_of
@@ -117,7 +119,8 @@ class _ChannelStats(torch.nn.Module):
         self.gen = torch.Generator().manual_seed(0)
 
     def forward(self, x):
-        flat = x.detach().reshape(-1, x.shape[-1]).float()
+        flat = real_tokens(x.detach())  # padding tokens left out (calibration's token_mask)
+        flat = flat.reshape(-1, flat.shape[-1]).float()
         if flat.numel():
             mn, mx = flat.amin(0), flat.amax(0)
             self.min = mn if self.min is None else torch.minimum(self.min, mn)
@@ -145,7 +148,8 @@ def _collect(gm: GraphModule, groups: list[_Group], data: Iterable, keep_rows: i
                 user.replace_input_with(src, tap)
         stats.append(mod)
     tapped.recompile()
-    n = run_batches(tapped, data, progress=False, max_batches=None, desc="smoothquant", what="calibration")
+    n = run_batches(tapped, data, progress=False, max_batches=None, desc="smoothquant", what="calibration",
+                    skip_padding=True)
     if n == 0:
         raise ValueError("calibration data is empty; pass at least one batch")
     return stats

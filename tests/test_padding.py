@@ -135,3 +135,19 @@ def test_unaware_observer_and_all_padding():
     with token_mask(mask):
         aware(x)  # every token is padding: nothing observed
     assert not aware.calibrated
+
+
+def test_smoothquant_statistics_skip_padding():
+    # SmoothQuant's per-channel activation maxima come from real tokens only: the padding
+    # token's spike (channel 3 of the embeddings) does not reach the first layer's scale
+    from quantkit._smoothquant import _collect, _groups
+
+    model = _bert()
+    batches = _batches()
+    gm = quantkit.capture(model, batches[0])
+    groups = _groups(gm)
+    stats = _collect(gm, groups, batches, keep_rows=64)
+    first = min(range(len(groups)), key=lambda i: list(gm.graph.nodes).index(groups[i].source))
+    lo, hi = _first_layer_input(model, batches, real_only=True)
+    assert abs(float(stats[first].max.max()) - hi) <= 1e-5 and abs(float(stats[first].min.min()) - lo) <= 1e-5
+    assert all(r.shape[1] == 32 for r in stats[first].rows)
