@@ -21,8 +21,6 @@ _QSCHEMES = (
 
 
 class QuantkitObserver(ObserverBase):
-    padding_aware = False
-
     """Base class of quantkit's observers.
 
     It subclasses torchao's ``ObserverBase``, so quantkit observers can be used as
@@ -73,9 +71,10 @@ class QuantkitObserver(ObserverBase):
         self.register_buffer("eps", torch.tensor([eps], dtype=torch.float32))
         # set by quantkit.prepare: names the graph edge this observer watches
         self.node_name = "<unattached>"
-        # set by quantkit.prepare on observers of [batch, ..., tokens, ...] activations:
-        # calibration can then leave padding tokens out (see _tokens.token_mask)
-        self.padding_aware = False
+
+    # set by quantkit.prepare on observers of [batch, ..., tokens, ...] activations:
+    # calibration can then leave padding tokens out (see _tokens.token_mask)
+    padding_aware = False
 
     # --- to implement in subclasses -------------------------------------------------
     @property

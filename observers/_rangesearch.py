@@ -63,7 +63,6 @@ def _boundaries(quant_min: int, quant_max: int, zp: float) -> np.ndarray:
     return np.arange(quant_min, quant_max) + (0.5 - zp)
 
 
-
 class ErrorTable:
     """Look-up tables of a histogram, so that the error of any candidate costs one
     look-up per rounding boundary.

@@ -12,7 +12,7 @@ from quantkit.observers._tokens import token_dim
 from ._fold_bn import fold_conv_bn
 from ._sharing import ANNOTATION_KEY, EdgeOrNode, observers_for_annotations
 
-__all__ = ["prepare", "OBSERVER_PREFIX", "is_observer_node", "mark_token_dims"]
+__all__ = ["prepare", "OBSERVER_PREFIX", "is_observer_node", "mark_padding_aware"]
 
 OBSERVER_PREFIX = "activation_post_process_"
 
@@ -91,7 +91,7 @@ def _static_or_symbolic(size):
     return size if isinstance(size, int) else str(size)
 
 
-def mark_token_dims(gm: GraphModule) -> None:
+def mark_padding_aware(gm: GraphModule) -> None:
     """Mark the observers of activations laid out ``[batch, ..., tokens, ...]`` as
     ``padding_aware``, so that :func:`quantkit.calibrate` can leave padding tokens out.
     The layout is read off the graph's ``attention_mask`` input (``[batch, tokens]``,
@@ -161,7 +161,7 @@ def prepare(model: GraphModule, quantizer) -> GraphModule:
     inserter = _Inserter(model, observers)
     for node in list(model.graph.nodes):
         inserter.process(node)
-    mark_token_dims(model)
+    mark_padding_aware(model)
     prepared = GraphModule(model, model.graph)
     prepared.meta.update(meta)
     prepared.meta["quantkit_prepared"] = True
