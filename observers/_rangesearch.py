@@ -86,13 +86,14 @@ class ErrorTable:
         if batch:
             self.flat = ~(width > 0)  # constant rows: the search leaves them alone
             w = np.where(self.flat, 1.0, width)
-            pre = max(0, int(((lo - x_min) / w).max())) + 1
-            ext = max(0, int(((x_max - hi) / w).max())) + 1
+            pre, ext = float(((lo - x_min) / w).max()), float(((x_max - hi) / w).max())
         else:
             self.flat = not width > 0
             w = 1.0 if self.flat else width
-            pre = max(0, int((lo - x_min) / w)) + 1
-            ext = max(0, int((x_max - hi) / w)) + 1
+            pre, ext = (lo - x_min) / w, (x_max - hi) / w
+        # at most n bins either side: beyond, look-ups take the exact slow path (a range far
+        # from 0 relative to its width, e.g. [10, 10 + 1e-6], would need billions)
+        pre, ext = min(max(0, int(pre)), n) + 1, min(max(0, int(ext)), n) + 1
         end = pre + n
         m = end + ext + 1
         lead = hist.shape[:-1]
@@ -118,6 +119,7 @@ class ErrorTable:
         self.AB, self.C = ab.reshape(-1), c.reshape(-1)
         self.hist, self.n, self.m, self.lo, self.w, self.total = hist, n, m, lo, w, total
         self.origin = lo - pre * w  # x at table entry 0
+        self.top = lo + (n + ext) * w  # x at the last entry
         # first and second moments of the whole histogram (uniform within bins)
         hj = mom[..., -1:] if batch else float(mom[-1])
         hj2 = hist @ j2
@@ -126,6 +128,12 @@ class ErrorTable:
         self.t2 = total * lo * lo + 2 * lo * w * hj + w * w * (hj2 + total / 12)
         self._offsets = (np.arange(hist.shape[0]) * m)[:, None, None] if batch else None
         self._moments = None
+
+    def covers(self, x_min, x_max) -> bool:
+        """Whether every ``x`` in ``[x_min, x_max]`` is inside the table (per row)."""
+        if not self.batch:
+            return x_min >= self.origin and x_max <= self.top
+        return bool(np.all(x_min >= self.origin) and np.all(x_max <= self.top))
 
     def sum_integral(self, points: np.ndarray, scale: np.ndarray, shift, covered: bool = False) -> np.ndarray:
         """``Σ_l I(points_l·scale + shift)`` for ascending ``[L]`` points and ``[K]`` (``[B, K]``)
@@ -308,7 +316,9 @@ def search_range(h: np.ndarray, lo, hi, qp: dict, objective: str = "mse", stages
         step, eps = s_max / GRID, float(qp["eps"])
         # the table spans the boundaries of every scale up to s_max: unless eps lifts some
         # scale above it, look-ups need no range checks
-        kw = {"covered": bool(np.all(s_max >= eps))} if err_fn is _mse_part else {}
+        covered = (bool(np.all(s_max >= eps)) if batch else s_max >= eps) and table.covers(
+            (qmin - zp) * s_max, (qmax - zp) * s_max)
+        kw = {"covered": covered} if err_fn is _mse_part else {}
 
         def err_at(j):  # j: [(B,) K] grid units of the threshold
             s = s_max - step * j

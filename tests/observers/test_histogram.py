@@ -460,3 +460,19 @@ def test_search_keeps_constant_rows():
     a, b = rs.search_error(hist, torch.tensor([1.5, -1.0]), torch.tensor([1.5, 2.0]), qp)
     assert float(a[0]) == 1.5 and float(b[0]) == 1.5  # constant: left alone
     assert -1.0 <= float(a[1]) <= 0 and 0 < float(b[1]) <= 2.0
+
+
+@pytest.mark.parametrize("scheme", [SYM, AFF], ids=["symmetric", "affine"])
+@pytest.mark.parametrize("method", ["mse", "l2"])
+def test_search_on_a_narrow_range_far_from_zero(scheme, method):
+    # [10, 10 + 1e-6]: the search's look-up table would need ~4e10 bins to reach 0, so it
+    # stops at n bins either side and the look-ups past it take the exact slow path
+    x = 10 + torch.rand(10_000, generator=torch.Generator().manual_seed(0)) * 1e-6
+    obs = _observe(HistogramObserver(method=method, **scheme), x)
+    scale, zp = obs.calculate_qparams()
+    assert torch.isfinite(scale).all() and float(scale) > 0
+    lo, hi = obs._range()
+    assert 9.9 <= hi <= 10.0 + 1e-5 and lo <= 0
+    if method == "mse":  # exact expected error: no worse than min-max (whose top level is ~10)
+        # (L2's scale²/12 noise model cannot see that min-max puts a level right on the data)
+        assert _measured_mse(x, obs) <= _measured_mse(x, _observe(MinMaxObserver(**scheme), x)) * 1.001
