@@ -10,7 +10,7 @@ The token dimension is found from the input's shape at each call (one observer c
 one tensor in several layouts, e.g. before and after attention's head split): dim 0 must
 be the mask's batch size and the token dimension its token count, looked for at dim 1 of
 ``[B, S, ...]`` and at dims 2, 3, then 1 of a 4-D tensor (attention's ``[B, heads, S, d]``
-and ``[B, heads, d, S]``).
+and ``[B, heads, d, S]``); or dim 0 is ``B * S``, rows flattened before a GEMM.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import contextvars
 
 import torch
 
-__all__ = ["token_mask", "token_dim", "real_tokens"]
+__all__ = ["FLAT", "token_mask", "token_dim", "real_tokens"]
 
 _MASK: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("quantkit_token_mask", default=None)
 
@@ -36,11 +36,17 @@ def token_mask(mask: torch.Tensor | None):
         _MASK.reset(token)
 
 
+FLAT = -1  # token_dim's answer for [batch * tokens, ...] (rows flattened before a GEMM)
+
+
 def token_dim(shape, batch, tokens) -> int | None:
     """The token dimension of an activation ``shape`` for a ``[batch, tokens]`` mask, by
-    the rule in the module docstring; None if there is none."""
-    if len(shape) < 2 or shape[0] != batch:
+    the rule in the module docstring; :data:`FLAT` when dim 0 is ``batch * tokens``
+    (GPT-2's Conv1D flattens its input to rows); None if there is none."""
+    if len(shape) < 2:
         return None
+    if shape[0] != batch:
+        return FLAT if shape[0] == batch * tokens else None
     order = (2, 3, 1) if len(shape) == 4 else (1,)
     return next((d for d in order if shape[d] == tokens), None)
 
@@ -57,4 +63,4 @@ def real_tokens(x: torch.Tensor) -> torch.Tensor:
         return x
     if mask.device != x.device:
         mask = mask.to(x.device)
-    return x.movedim(d, 1)[mask]
+    return x[mask.reshape(-1)] if d == FLAT else x.movedim(d, 1)[mask]

@@ -87,21 +87,36 @@ class _Inserter:
                 user.replace_input_with(node, obs_node)
 
 
-def _static_or_symbolic(size):
-    return size if isinstance(size, int) else str(size)
+# stand-ins for symbolic sizes when the token-layout rule is checked at prepare time:
+# large primes, so that no static size or product of sizes collides with them
+_BATCH, _TOKENS = 1_000_003, 1_000_033
+
+
+def _concrete(size, tokens_symbol) -> int:
+    """A size as an int: symbolic sizes with the token symbol -> _TOKENS, any other symbol
+    -> _BATCH (export gives each input's dynamic batch dimension its own symbol)."""
+    if isinstance(size, int):
+        return size
+    expr = size.node.expr
+    subs = {sym: (_TOKENS if sym == tokens_symbol else _BATCH) for sym in expr.free_symbols}
+    return int(expr.subs(subs))
 
 
 def mark_padding_aware(gm: GraphModule) -> None:
-    """Mark the observers of activations laid out ``[batch, ..., tokens, ...]`` as
-    ``padding_aware``, so that :func:`quantkit.calibrate` can leave padding tokens out.
-    The layout is read off the graph's ``attention_mask`` input (``[batch, tokens]``,
-    the Hugging Face name); observers of weights, and any observer with a call site of
+    """Mark the observers of activations laid out ``[batch, ..., tokens, ...]`` (or
+    ``[batch * tokens, ...]``) as ``padding_aware``, so that :func:`quantkit.calibrate`
+    can leave padding tokens out. The layout rule is :func:`quantkit.observers._tokens.token_dim`,
+    with the sizes of the graph's ``attention_mask`` input (``[batch, tokens]``, the
+    Hugging Face name); observers of weights, and any observer with a call site of
     another layout, stay unaware."""
     mask = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "attention_mask"), None)
     val = None if mask is None else mask.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() != 2:
         return
-    batch, tokens = (_static_or_symbolic(s) for s in val.shape)
+    batch_size, token_size = val.shape
+    tokens_symbol = None if isinstance(token_size, int) else next(iter(token_size.node.expr.free_symbols), None)
+    batch = _concrete(batch_size, tokens_symbol)
+    tokens = _concrete(token_size, tokens_symbol)
     modules = dict(gm.named_modules(remove_duplicate=False))
     aware: dict[int, tuple[torch.nn.Module, bool]] = {}
     for node in gm.graph.nodes:
@@ -114,10 +129,10 @@ def mark_padding_aware(gm: GraphModule) -> None:
         shape = getattr(node.meta.get("val"), "shape", None)
         ok = not (isinstance(src, Node) and src.op == "get_attr") and shape is not None
         if ok:
-            shape = [_static_or_symbolic(s) for s in shape]
-            if not isinstance(batch, int) and len(shape) > 0 and not isinstance(shape[0], int):
-                shape[0] = batch  # export gives each input's dynamic batch its own symbol
-            ok = token_dim(shape, batch, tokens) is not None
+            try:
+                ok = token_dim([_concrete(s, tokens_symbol) for s in shape], batch, tokens) is not None
+            except (TypeError, ValueError):  # a size we cannot evaluate
+                ok = False
         prev = aware.get(id(obs), (obs, True))[1]
         aware[id(obs)] = (obs, prev and ok)
     for obs, ok in aware.values():

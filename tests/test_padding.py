@@ -5,7 +5,7 @@ import torch
 
 import quantkit
 from quantkit.observers import HistogramObserver, MinMaxObserver, QuantkitObserver
-from quantkit.observers._tokens import real_tokens, token_mask
+from quantkit.observers._tokens import FLAT, real_tokens, token_mask
 from quantkit.quantizers import QuantConfig, W8A8Quantizer
 from tests.models import make_mlp
 
@@ -109,18 +109,40 @@ def test_which_observers_are_padding_aware():
     assert not any(getattr(m, "padding_aware", False) for m in plain.modules())
 
 
-@pytest.mark.parametrize("shape,dim", [((2, 5, 7), 1), ((2, 3, 5, 4), 2), ((2, 3, 4, 5), 3), ((2, 5, 3, 4), 1)])
+@pytest.mark.parametrize("shape,dim", [((2, 5, 7), 1), ((2, 3, 5, 4), 2), ((2, 3, 4, 5), 3), ((2, 5, 3, 4), 1),
+                                       ((10, 7), FLAT)])
 def test_real_tokens_finds_the_token_dimension(shape, dim):
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool)
     x = torch.randn(shape)
     with token_mask(mask):
         got = real_tokens(x)
-    want = x.movedim(dim, 1)[mask]
+    want = x[mask.reshape(-1)] if dim == FLAT else x.movedim(dim, 1)[mask]
     assert torch.equal(got, want) and got.shape[0] == 4
     assert real_tokens(x) is x  # no mask active: unchanged
     with token_mask(mask):
         other = torch.randn(3, 5, 7)  # batch size differs: not a [batch, tokens] tensor
         assert real_tokens(other) is other
+
+
+def test_gpt2_flattened_rows_skip_padding():
+    # GPT-2's Conv1D flattens [B, S, H] to [B*S, H] rows before addmm: still padding aware
+    torch.manual_seed(0)
+    model = transformers.GPT2Model(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=50)).eval()
+    batches = _batches()
+    seen = []
+    hook = model.h[0].attn.c_attn.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+    with torch.no_grad():
+        for b in batches:
+            model(**b)
+    hook.remove()
+    real = torch.cat([x[b["attention_mask"].bool()] for x, b in zip(seen, batches)])
+    prepared = quantkit.prepare(quantkit.capture(model, batches[0]), W8A8Quantizer(QuantConfig()))
+    quantkit.calibrate(prepared, batches, progress=False)
+    modules = dict(prepared.named_modules(remove_duplicate=False))
+    addmm = next(n for n in prepared.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.addmm.default)
+    obs = modules[str(addmm.args[1].target)]
+    assert obs.padding_aware and len(addmm.args[1].meta["val"].shape) == 2
+    assert abs(float(obs.min_val) - float(real.min())) <= 1e-5 and abs(float(obs.max_val) - float(real.max())) <= 1e-5
 
 
 def test_unaware_observer_and_all_padding():
