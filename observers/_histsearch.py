@@ -101,7 +101,23 @@ def _group_table(cum: torch.Tensor, nzc: torch.Tensor, max_per: int) -> torch.Te
     return torch.stack(rows)
 
 
-def kl_divergence(hist: torch.Tensor, start: torch.Tensor, stop: torch.Tensor, levels: int) -> torch.Tensor:
+class _KLTables:
+    """The prefix sums :func:`kl_divergence` reads, built once per histogram (a search
+    evaluates several stages of candidates on the same histogram)."""
+
+    def __init__(self, hist: torch.Tensor, levels: int) -> None:
+        pad = torch.nn.functional.pad
+        self.h = h = hist.to(_F64)
+        self.total = h.sum()
+        self.cum = pad(h.cumsum(0), (1, 0))
+        self.nzc = pad((h > 0).to(_F64).cumsum(0), (1, 0))
+        self.hlh = pad(_xlogx(h).cumsum(0), (1, 0))
+        # groups of up to n // levels bins: the widest window's
+        self.group = _group_table(self.cum, self.nzc, max(1, h.shape[0] // levels))
+
+
+def kl_divergence(hist: torch.Tensor, start: torch.Tensor, stop: torch.Tensor, levels: int,
+                  tables: _KLTables | None = None) -> torch.Tensor:
     """KL(P‖Q) of each candidate window ``hist[start:stop]`` (TensorRT/MXNet entropy calibration).
 
     P is the window with the mass left of it added to its first bin and the mass right
@@ -120,20 +136,16 @@ def kl_divergence(hist: torch.Tensor, start: torch.Tensor, stop: torch.Tensor, l
     Args:
         hist: ``[n]`` counts.
         start, stop: ``[K]`` integer bin indices with ``stop − start ≥ levels``.
+        tables: :class:`_KLTables` of ``hist`` for ``levels``, to reuse across calls.
 
     Returns:
         ``[K]`` divergences (``inf`` where Q is zero but P is not).
     """
-    pad = torch.nn.functional.pad
-    h = hist.to(_F64)
-    total = h.sum()
-    cum = pad(h.cumsum(0), (1, 0))
-    nzc = pad((h > 0).to(_F64).cumsum(0), (1, 0))
-    hlh = pad(_xlogx(h).cumsum(0), (1, 0))
+    t = tables if tables is not None else _KLTables(hist, levels)
+    h, total, cum, nzc, hlh, table = t.h, t.total, t.cum, t.nzc, t.hlh, t.group
     left = cum[start]
     right = total - cum[stop]
     per = (stop - start) // levels
-    table = _group_table(cum, nzc, int(per.max()))
     first_end = start + per
     last_start = start + (levels - 1) * per
     row = (per - 1) * table.shape[1]
@@ -229,12 +241,13 @@ def search_kl(hist: torch.Tensor, lo: float, hi: float, qp: dict) -> tuple[float
     max_left, max_right = int(zero), n - int(-(-zero // 1))
     if n < levels:
         return lo, hi
+    tables = _KLTables(h, levels)
 
     def err_fn(f):
         start = torch.round(f[0, :, 0] * max_left).long()
         stop = n - torch.round(f[0, :, 1] * max_right).long()
         ok = stop - start >= levels
-        kl = kl_divergence(h, torch.where(ok, start, 0), torch.where(ok, stop, n), levels)
+        kl = kl_divergence(h, torch.where(ok, start, 0), torch.where(ok, stop, n), levels, tables)
         return torch.where(ok, kl, float("inf"))[None]
 
     best = _grid_search(err_fn, 1, 2, h.device, _STAGES_KL_2D)[0]
