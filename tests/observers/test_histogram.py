@@ -1,5 +1,7 @@
 """Histogram observers: searches against plain references, merging, rebinning, errors."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -79,9 +81,9 @@ def _measured_mse(x, obs) -> float:
 @pytest.mark.parametrize("dist", ["gaussian", "laplace", "student_t"])
 def test_kl_threshold_matches_per_candidate_reference(dist):
     obs = _observe(HistogramObserver(method="kl", **SYM), _sample(dist, 200_000))
-    lo, hi = float(obs.min_val), float(obs.max_val)
-    abs_hist, _ = hs.kl_histogram(obs.histogram, lo, hi, symmetric=True)
-    width = max(-lo, hi) / obs.bins
+    h, lo, hi = obs.occupied_bins()
+    abs_hist, _ = hs.kl_histogram(h, lo, hi, symmetric=True)
+    width = max(-lo, hi) / h.numel()
     ref_t = kl_threshold_reference(abs_hist.numpy(), levels=128) * width
     _, t = obs._min_max()
     assert abs(float(t) - ref_t) <= width * (1 + 1e-6), (
@@ -92,8 +94,8 @@ def test_kl_threshold_matches_per_candidate_reference(dist):
 def test_kl_divergence_matches_reference_on_windows():
     # affine windows: tails on both sides folded in, 256 levels
     obs = _observe(HistogramObserver(method="kl", **AFF), _sample("student_t", 200_000))
-    h = obs.histogram
-    zero = int(-float(obs.min_val) / float(obs.max_val - obs.min_val) * obs.bins)
+    h, lo, hi = obs.occupied_bins()
+    zero = int(-lo / (hi - lo) * h.numel())
     rng = np.random.default_rng(0)
     start = rng.integers(zero - 300, zero, 40)
     stop = np.maximum(rng.integers(zero + 1, zero + 400, 40), start + 256)
@@ -106,16 +108,18 @@ def test_kl_divergence_matches_reference_on_windows():
 def test_kl_affine_search_finds_the_grid_minimum():
     obs = _observe(HistogramObserver(method="kl", bins=512, **AFF), _sample("laplace", 100_000) + 1.0)
     lo, hi = (float(v) for v in obs._min_max())
-    n, w = obs.bins, float(obs.max_val - obs.min_val) / obs.bins
-    zero = -float(obs.min_val) / w
+    hist, h_lo, h_hi = obs.occupied_bins()
+    n = hist.numel()
+    w = (h_hi - h_lo) / n
+    zero = -h_lo / w
     start, stop = torch.meshgrid(torch.arange(0, int(zero) + 1), torch.arange(int(zero) + 1, n + 1), indexing="ij")
     start, stop = start.reshape(-1), stop.reshape(-1)
     ok = stop - start >= 256
-    h, _ = hs.kl_histogram(obs.histogram, float(obs.min_val), float(obs.max_val), symmetric=False)
+    h, _ = hs.kl_histogram(hist, h_lo, h_hi, symmetric=False)
     kl = hs.kl_divergence(h, start[ok], stop[ok], 256)
     best = float(kl.min())
-    chosen = hs.kl_divergence(h, torch.tensor([round((lo - float(obs.min_val)) / w)]),
-                              torch.tensor([round((hi - float(obs.min_val)) / w)]), 256)
+    # the chosen range, in bins (the observer trims it to the data, less than a bin)
+    chosen = hs.kl_divergence(h, torch.tensor([round((lo - h_lo) / w)]), torch.tensor([round((hi - h_lo) / w)]), 256)
     assert float(chosen) <= best * 1.02 + 1e-9, f"searched KL {float(chosen):.6f} vs exhaustive {best:.6f}"
 
 
@@ -147,17 +151,25 @@ def test_mse_range_is_near_the_best_measured_threshold(scheme):
 def test_mse_threshold_close_to_per_candidate_reference(dist):
     x = _sample(dist, 200_000)
     obs = _observe(HistogramObserver(method="mse", **SYM), x)
-    lo, hi = obs.min_val.double().view(1), obs.max_val.double().view(1)
-    abs_hist, amax = hs.abs_histogram(obs.histogram[None], lo, hi)
+    h, lo, hi = obs.occupied_bins()
+    abs_hist, amax = hs.abs_histogram(h[None], _t64(lo), _t64(hi))
     ref = mse_threshold_reference(abs_hist[0].numpy(), float(amax))
-    # the reference rounds bin centres, we integrate over bins; the optimum is flat, so
-    # the two agree to ~1% (2% allowed)
     ours = float(obs._min_max()[1])
-    assert abs(ours - ref) <= 0.02 * ref, f"{dist}: MSE threshold {ours:.4f} vs reference {ref:.4f}"
+
+    def measured(t):  # the MSE a symmetric int8 range [-t, t] gives on the data
+        s = t / 127.5
+        return float(((torch.round(x.double() / s).clamp(-128, 127) * s - x.double()) ** 2).mean())
+
+    # the reference rounds bin centres, we integrate over bins; the optimum is flat, so the
+    # two agree to ~1% (2% allowed), or, in the sparse tail of the Student-t where the two
+    # models part (3% apart), ours is the better range on the data
+    assert abs(ours - ref) <= 0.02 * ref or measured(ours) <= measured(ref), (
+        f"{dist}: MSE threshold {ours:.4f} vs reference {ref:.4f}")
     # pytorch-quantization / ModelOpt's loop: thresholds at bin centres, scale t/127 (ours
     # t/127.5 from choose_qparams), so its optimum sits ~0.4% higher
     peer = mse_amax_torch_loop(abs_hist[0].numpy(), float(amax))
-    assert abs(ours - peer) <= 0.02 * peer, f"{dist}: MSE threshold {ours:.4f} vs torch loop {peer:.4f}"
+    assert abs(ours - peer) <= 0.02 * peer or measured(ours) <= measured(peer), (
+        f"{dist}: MSE threshold {ours:.4f} vs torch loop {peer:.4f}")
 
 
 @pytest.mark.parametrize("batch", [False, True], ids=["one", "batch"])
@@ -267,23 +279,12 @@ def test_histogram_merge_of_halves_within_one_bin(method, scheme):
     a = _observe(HistogramObserver(method=method, **scheme), x[:100_000])
     b = _observe(HistogramObserver(method=method, **scheme), x[100_000:])
     a.merge(b)
-    assert float(a.histogram.sum()) == pytest.approx(x.numel(), rel=1e-12)
-    w = float(whole.max_val - whole.min_val) / whole.bins
-    if scheme is AFF and method != "percentile":
-        # two ends to choose and integer zero points make the affine optimum flat (many
-        # ranges within 0.1% of the best), so compare what the ranges achieve
-        if method == "kl":
-            h, _ = hs.kl_histogram(whole.histogram, float(whole.min_val), float(whole.max_val), False)
-            bins = [torch.tensor([round((float(v) - float(whole.min_val)) / w)]) for o in (a, whole)
-                    for v in o._min_max()]
-            ours = float(hs.kl_divergence(h, bins[0], bins[1], 256))
-            ref = float(hs.kl_divergence(h, bins[2], bins[3], 256))
-        else:
-            ours, ref = _measured_mse(x, a), _measured_mse(x, whole)
-        assert ours <= ref * 1.02 + 1e-12, f"{method}: merged {ours:.6g} vs whole {ref:.6g}"
-        return
-    for ours, ref in zip(a._min_max(), whole._min_max()):
-        assert abs(float(ours) - float(ref)) <= w, f"{method}: merged {float(ours):.5f} vs whole {float(ref):.5f}"
+    assert float(a.histogram.sum()) == x.numel()
+    # power-of-two bins aligned at 0: counts never split, so the merge is the whole exactly
+    assert torch.equal(a.histogram, whole.histogram)
+    assert int(a.bin_exp) == int(whole.bin_exp) and int(a.bin_start) == int(whole.bin_start)
+    for ours, ref in zip(a.calculate_qparams(), whole.calculate_qparams()):
+        assert torch.equal(ours, ref), f"{method}: merged {ours} vs whole {ref}"
 
 
 def test_per_channel_mse_merge_of_halves_within_one_bin():
@@ -386,26 +387,43 @@ def test_transformer_histogram_observers_match_minmax_quality():
     assert results["mse"] >= results["minmax"] - 1.0, results
 
 
-def test_bincount_histogram_matches_histc():
-    from quantkit.observers._histogram import _counts
+def test_bincount_histogram_matches_aligned_bins():
+    from quantkit.observers._histogram import _bin_exponent, _counts
 
     x = _sample("laplace", 300_000).float()
     lo, hi = float(x.min()), float(x.max())
-    ours, ref = _counts(x, 2048, lo, hi).double(), torch.histc(x, 2048, lo, hi).double()
-    assert ours.sum() == ref.sum() == x.numel()
-    # values on a bin edge may fall one bin over: counts agree to a few per million elements
-    assert (ours - ref).abs().sum() <= 1e-4 * x.numel()
-    assert torch.equal(_counts(torch.tensor([lo, hi]), 4, lo, hi), torch.tensor([1, 0, 0, 1]))
+    exp = _bin_exponent(lo, hi, 2048)
+    start = math.floor(lo * 2.0 ** -exp)
+    assert math.floor(hi * 2.0 ** -exp) - start < 2048 <= 2 * (math.floor(hi * 2.0 ** -(exp - 1)) - start + 1)
+    ours = _counts(x, 2048, exp, start)
+    # reference: floor(x / 2^exp) in float64 (exact), counted in NumPy
+    ref = np.bincount((np.floor(x.double().numpy() / 2.0 ** exp) - start).astype(np.int64), minlength=2048)
+    assert torch.equal(ours, torch.from_numpy(ref))
+    # and torch.histc over the same edges, up to values on an edge
+    edges = (start * 2.0 ** exp, (start + 2048) * 2.0 ** exp)
+    hc = torch.histc(x.double(), 2048, *edges)
+    assert int(ours.sum()) == int(hc.sum()) == x.numel() and float((ours - hc).abs().sum()) <= 1e-4 * x.numel()
 
 
 def test_bincount_histogram_in_chunks_equals_one_pass(monkeypatch):
     from quantkit.observers import _histogram
 
     x = _sample("gaussian", 10_001).float()
-    lo, hi = float(x.min()), float(x.max())
-    whole = _histogram._counts(x, 512, lo, hi)
+    exp = _histogram._bin_exponent(float(x.min()), float(x.max()), 512)
+    start = math.floor(float(x.min()) * 2.0 ** -exp)
+    whole = _histogram._counts(x, 512, exp, start)
     monkeypatch.setattr(_histogram, "_COUNT_CHUNK", 1000)  # 11 passes, the last one short
-    assert torch.equal(_histogram._counts(x, 512, lo, hi), whole)
+    assert torch.equal(_histogram._counts(x, 512, exp, start), whole)
+
+
+def test_growing_range_regrids_exactly():
+    # counts move whole when the range grows: observing in pieces = observing at once
+    x = torch.cat([_sample("gaussian", 5000) * 0.01, _sample("laplace", 5000) * 30, _sample("gaussian", 5000) - 50])
+    pieces = _observe(HistogramObserver(method="mse", **AFF), x, 15)
+    once = _observe(HistogramObserver(method="mse", **AFF), x, 1)
+    assert torch.equal(pieces.histogram, once.histogram) and float(pieces.histogram.sum()) == x.numel()
+    h, lo, hi = once.occupied_bins()
+    assert lo <= float(x.min()) < lo + (hi - lo) / h.numel() and hi - (hi - lo) / h.numel() <= float(x.max()) < hi
 
 
 def _exhaustive_mse(hist, lo, hi, qp):
@@ -428,10 +446,10 @@ def test_mse_search_finds_the_exhaustive_minimum(dist):
     elif dist == "bimodal":
         x = x + torch.where(torch.arange(x.numel()) % 2 == 0, 4.0, -4.0)
     obs = _observe(HistogramObserver(method="mse", **SYM), x)
-    lo, hi, qp = float(obs.min_val), float(obs.max_val), obs._qp()
-    h = obs.histogram.numpy()
-    every = _exhaustive_mse(h, lo, hi, qp)
-    _, t = rs.search_error(obs.histogram, lo, hi, qp)
+    hist, lo, hi = obs.occupied_bins()
+    qp = obs._qp()
+    every = _exhaustive_mse(hist.numpy(), lo, hi, qp)
+    _, t = rs.search_error(hist, lo, hi, qp)
     j = round((1 - float(t) / max(-lo, hi)) * rs.GRID)
     assert every[j] <= every.min() * 1.001, f"{dist}: searched {every[j]:.6g} vs exhaustive {every.min():.6g}"
 
@@ -442,6 +460,7 @@ def test_batched_search_equals_one_row_at_a_time(scheme, objective):
     obs = [_observe(HistogramObserver(method="mse", **scheme), _sample(d, 50_000, seed=i) * (i + 1))
            for i, d in enumerate(["gaussian", "laplace", "student_t"])]
     qp = obs[0]._qp()
+    # any [B, n] batch of histograms with their own ranges
     hist = torch.stack([o.histogram for o in obs])
     lo = torch.stack([o.min_val for o in obs]).double()
     hi = torch.stack([o.max_val for o in obs]).double()
