@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 from enum import Enum
 
-import numpy as np
 import torch
 
 from quantkit._qmath import choose_qparams, is_symmetric
@@ -204,12 +203,18 @@ class HistogramObserver(QuantkitObserver):
         return dict(qscheme=self.qscheme, dtype=self.dtype, quant_min=self.quant_min,
                     quant_max=self.quant_max, eps=self.eps, customized_qrange=self.has_customized_qrange)
 
+    def _occupied(self) -> tuple[int, int, float, float]:
+        """First and last non-empty bin (the bins of min and max), and their outer edges."""
+        exp, start = int(self.bin_exp), int(self.bin_start)
+        inv = 2.0 ** -exp
+        first = math.floor(self.min_val.item() * inv) - start
+        last = math.floor(self.max_val.item() * inv) - start
+        return first, last, (start + first) / inv, (start + last + 1) / inv
+
     def occupied_bins(self) -> tuple[torch.Tensor, float, float]:
         """The counts from the first to the last non-empty bin, and their outer edges."""
-        occupied = np.flatnonzero(rs.host(self.histogram))
-        first, last = int(occupied[0]), int(occupied[-1])
-        width, start = 2.0 ** int(self.bin_exp), int(self.bin_start)
-        return self.histogram[first:last + 1], (start + first) * width, (start + last + 1) * width
+        first, last, lo, hi = self._occupied()
+        return self.histogram[first:last + 1], lo, hi
 
     def _range(self) -> tuple[float, float]:
         """The searched range, as floats, within the observed ``[min, max]`` (and 0)."""
@@ -218,15 +223,21 @@ class HistogramObserver(QuantkitObserver):
             if lo > hi:
                 self._check_calibrated()
             return lo, hi
-        hist, h_lo, h_hi = self.occupied_bins()  # the searches see these, with their exact edges
+        if self.method in (HistogramMethod.MSE, HistogramMethod.L2):
+            first, last, h_lo, h_hi = self._occupied()  # the searches see these, with their exact edges
+            a, b = rs.search_range(rs.host(self.histogram)[first:last + 1], h_lo, h_hi, self._qp(),
+                                   self.method.value)
+            return self._trimmed(a, b, lo, hi)
+        hist, h_lo, h_hi = self.occupied_bins()
         if self.method is HistogramMethod.KL:
             a, b = hs.search_kl(hist, h_lo, h_hi, self._qp())
         elif self.method is HistogramMethod.PERCENTILE:
             t = lambda v: torch.tensor([v], dtype=torch.float64, device=hist.device)  # noqa: E731
             a, b = hs.percentile_range(hist[None], t(h_lo), t(h_hi), self.percentile, is_symmetric(self.qscheme))
             a, b = a.item(), b.item()
-        else:
-            a, b = rs.search_range(rs.host(hist), h_lo, h_hi, self._qp(), self.method.value)
+        return self._trimmed(a, b, lo, hi)
+
+    def _trimmed(self, a: float, b: float, lo: float, hi: float) -> tuple[float, float]:
         # the occupied bins reach up to a bin past the data: no range beyond what was seen
         if is_symmetric(self.qscheme):
             t = min(max(-a, b), max(-lo, hi))
