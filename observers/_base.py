@@ -121,17 +121,15 @@ class QuantkitObserver(ObserverBase):
             ConvertError: if the observer has seen no data.
         """
         self._check_calibrated()
-        min_val, max_val = self._min_max()
-        return choose_qparams(
-            min_val,
-            max_val,
-            qscheme=self.qscheme,
-            dtype=self.dtype,
-            quant_min=self.quant_min,
-            quant_max=self.quant_max,
-            eps=self.eps,
-            customized_qrange=self.has_customized_qrange,
-        )
+        return self._choose(*self._min_max())
+
+    def _qp(self) -> dict:
+        """This observer's quantization settings, as choose_qparams' keyword arguments."""
+        return dict(qscheme=self.qscheme, dtype=self.dtype, quant_min=self.quant_min,
+                    quant_max=self.quant_max, eps=self.eps, customized_qrange=self.has_customized_qrange)
+
+    def _choose(self, min_val, max_val):
+        return choose_qparams(min_val, max_val, **self._qp())
 
     def _check_calibrated(self) -> None:
         if not self.calibrated:

@@ -8,7 +8,7 @@ from enum import Enum
 
 import torch
 
-from quantkit._qmath import choose_qparams, is_symmetric
+from quantkit._qmath import is_symmetric
 
 from . import _histsearch as hs
 from . import _rangesearch as rs
@@ -199,10 +199,6 @@ class HistogramObserver(QuantkitObserver):
         self.min_val.fill_(lo)
         self.max_val.fill_(hi)
 
-    def _qp(self) -> dict:
-        return dict(qscheme=self.qscheme, dtype=self.dtype, quant_min=self.quant_min,
-                    quant_max=self.quant_max, eps=self.eps, customized_qrange=self.has_customized_qrange)
-
     def _occupied(self) -> tuple[int, int, float, float]:
         """First and last non-empty bin (the bins of min and max), and their outer edges."""
         exp, start = int(self.bin_exp), int(self.bin_start)
@@ -253,9 +249,7 @@ class HistogramObserver(QuantkitObserver):
         """``(scale, zero_point)`` of the searched range (see the class docstring)."""
         if self.histogram.device.type != "cpu":
             return super().calculate_qparams()
-        lo, hi = self._range()  # floats: choose_qparams' scalar path, no tensors in between
-        return choose_qparams(lo, hi, qscheme=self.qscheme, dtype=self.dtype, quant_min=self.quant_min,
-                              quant_max=self.quant_max, eps=self.eps, customized_qrange=self.has_customized_qrange)
+        return self._choose(*self._range())  # floats: choose_qparams' scalar path, no tensors in between
 
     def extra_repr(self) -> str:
         return f"method={self.method.value}, bins={self.bins}, " + super().extra_repr()
@@ -332,8 +326,7 @@ class PerChannelMSEObserver(PerChannelMinMaxObserver):
         self.histogram = mine + theirs
 
     def _min_max(self):
-        qp = dict(qscheme=self.qscheme, dtype=self.dtype, quant_min=self.quant_min,
-                  quant_max=self.quant_max, eps=self.eps, customized_qrange=self.has_customized_qrange)
+        qp = self._qp()
         los, his = [], []
         for i in range(0, self.histogram.shape[0], _CHANNEL_CHUNK):
             sl = slice(i, i + _CHANNEL_CHUNK)
