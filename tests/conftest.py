@@ -1,11 +1,31 @@
 import logging
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# subprocesses the tests start (CLI runs, torchrun) must import the same quantkit as the tests:
+# with this, `python -c ...` run in the repository does not put the source folders first (3.11+)
+os.environ.setdefault("PYTHONSAFEPATH", "1")
 logging.getLogger("torchao").setLevel(logging.ERROR)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    """With QUANTKIT_TEST_INSTALLED=1 (CI), refuse to test anything but an installed, non-editable quantkit."""
+    if os.environ.get("QUANTKIT_TEST_INSTALLED") != "1":
+        return
+    import quantkit
+
+    where = Path(quantkit.__file__).resolve()
+    if REPO in where.parents or "__editable__" in str(where):
+        raise pytest.UsageError(f"QUANTKIT_TEST_INSTALLED=1 but quantkit was imported from {where}, "
+                                "not from an installed wheel; install the wheel and run `pytest` (not from the source tree)")
+    sys.stderr.write(f"testing the installed quantkit at {where.parent}\n")
 
 
 @pytest.fixture(autouse=True)
