@@ -5,7 +5,7 @@ used as ``observer_or_fake_quant_ctr`` in a ``QuantizationSpec``, and can merge 
 state of another observer of its kind (``obs.merge(other)``).
 """
 
-from ._base import QuantkitObserver
+from ._base import PER_CHANNEL, PER_TENSOR, PER_TOKEN, QuantkitObserver, declared_qscheme
 from ._histogram import HistogramMethod, HistogramObserver, PerChannelMSEObserver
 from ._minmax import (
     MinMaxObserver,
@@ -19,6 +19,10 @@ from ._special import DerivedObserver, FixedQParamsObserver
 
 __all__ = [
     "QuantkitObserver",
+    "declared_qscheme",
+    "PER_TENSOR",
+    "PER_CHANNEL",
+    "PER_TOKEN",
     "MinMaxObserver",
     "MovingAverageMinMaxObserver",
     "PerChannelMinMaxObserver",

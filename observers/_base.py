@@ -10,7 +10,7 @@ from quantkit._qmath import DEFAULT_EPS, choose_qparams, default_qrange, is_per_
 
 from ._tokens import real_tokens
 
-__all__ = ["QuantkitObserver"]
+__all__ = ["QuantkitObserver", "PER_TENSOR", "PER_CHANNEL", "PER_TOKEN", "declared_qscheme"]
 
 _QSCHEMES = (
     torch.per_tensor_affine,
@@ -18,6 +18,27 @@ _QSCHEMES = (
     torch.per_channel_affine,
     torch.per_channel_symmetric,
 )
+
+
+# what one scale covers, as an observer declares it (``obs.granularity``); the values
+# match quantkit.quantizers.Granularity where the two overlap
+PER_TENSOR = "per-tensor"
+PER_CHANNEL = "per-channel"  # one scale per index of ``ch_axis``
+PER_TOKEN = "per-token"      # one scale per row of the last dimension (dynamic only)
+
+
+def declared_qscheme(ctor) -> torch.qscheme | None:
+    """The qscheme that observers built by ``ctor`` (a class or ``with_args`` partial) declare
+    with their defaults, read from an instance; None if ``ctor()`` needs arguments.
+
+    This is how quantizers tell a per-channel observer from a per-tensor one: by what the
+    observer says (``qscheme``), whatever its class is called.
+    """
+    try:
+        obs = ctor()
+    except (TypeError, ValueError):
+        return None
+    return getattr(obs, "qscheme", None)
 
 
 class QuantkitObserver(ObserverBase):
@@ -31,6 +52,11 @@ class QuantkitObserver(ObserverBase):
     detached tensor), ``_min_max()`` (the range to quantize), ``calibrated`` and
     ``_merge(other)``. The base class checks for NaN/inf, skips empty tensors and
     turns the range into qparams with :func:`quantkit._qmath.choose_qparams`.
+
+    What an observer is, it declares by attribute (never by class name): ``qscheme`` (with
+    ``ch_axis`` for per-channel schemes), ``is_dynamic`` (qparams chosen at run time) and
+    ``granularity`` (``"per-tensor"``, ``"per-channel"`` or ``"per-token"``); ``token_axes`` is recorded by ``quantkit.prepare``
+    for padding-aware calibration.
 
     Args:
         dtype: quantized dtype (torch.int8/uint8, or torch.qint8/quint8).
@@ -72,9 +98,29 @@ class QuantkitObserver(ObserverBase):
         # set by quantkit.prepare: names the graph edge this observer watches
         self.node_name = "<unattached>"
 
-    # set by quantkit.prepare on observers of [batch, ..., tokens, ...] activations:
-    # calibration can then leave padding tokens out (see _tokens.token_mask)
-    padding_aware = False
+    # recorded by quantkit.prepare for observers of [batch, ..., tokens, ...] activations:
+    # one (layout, token axis) pair per call site, a layout being the tensor's sizes with
+    # None for symbolic ones (_tokens.FLAT for [batch * tokens, ...] rows); calibration then
+    # leaves padding tokens out (see _tokens.token_mask). Empty: not padding aware.
+    token_axes: tuple[tuple[tuple[int | None, ...], int], ...] = ()
+
+    @property
+    def padding_aware(self) -> bool:
+        """Whether calibration leaves padding tokens out of this observer's statistics."""
+        return bool(self.token_axes)
+
+    def _token_axis(self, shape) -> int | None:
+        """The token axis recorded for the call site whose layout ``shape`` has; None when no
+        recorded layout fits, or several fit with different axes (e.g. ``[B, h, S, d]`` and
+        ``[B, h, d, S]`` when ``S == d``): the tensor is then observed whole."""
+        found = {axis for layout, axis in self.token_axes
+                 if len(layout) == len(shape) and all(n is None or n == s for n, s in zip(layout, shape))}
+        return found.pop() if len(found) == 1 else None
+
+    @property
+    def granularity(self) -> str:
+        """What one scale covers: ``"per-channel"`` when ``qscheme`` says so, else ``"per-tensor"``."""
+        return PER_CHANNEL if is_per_channel(self.qscheme) else PER_TENSOR
 
     # --- to implement in subclasses -------------------------------------------------
     @property
@@ -98,8 +144,9 @@ class QuantkitObserver(ObserverBase):
             raise CalibrationError(
                 f"observer at node '{self.node_name}' got a {x.dtype} tensor; only floating-point tensors can be quantized"
             )
-        if self.padding_aware and not is_per_channel(self.qscheme):
-            real = real_tokens(x)
+        axis = self._token_axis(x.shape) if self.token_axes and not is_per_channel(self.qscheme) else None
+        if axis is not None:
+            real = real_tokens(x, axis)
             if real.numel() == 0:  # all padding
                 return x
             self._observe(real.detach())

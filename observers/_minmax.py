@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from quantkit._errors import ConvertError
-from quantkit._qmath import underlying_dtype
+from quantkit._qmath import is_per_channel, underlying_dtype
 
-from ._base import QuantkitObserver
+from ._base import PER_TENSOR, PER_TOKEN, QuantkitObserver
 from ._registry import register
 
 __all__ = [
@@ -198,14 +198,29 @@ class PlaceholderObserver(QuantkitObserver):
     """Marks a tensor for dynamic quantization: records nothing, qparams are
     computed at run time by ``choose_qparams`` in the converted graph
     (``choose_qparams_per_token`` with ``per_token=True``: one scale per row of the
-    last dimension)."""
+    last dimension; ``granularity`` says which).
+
+    ``eps`` is a float here, as on torchao's ``PlaceholderObserver``: it is written into
+    the converted graph as a literal. The observer converts itself (:meth:`convert`, the
+    hook torchao's ``convert_pt2e`` calls), so quantkit's and torchao's convert emit the
+    same ops, per-token ones included.
+    """
 
     def __init__(self, dtype=torch.int8, qscheme=torch.per_tensor_symmetric,
                  is_dynamic: bool = True, per_token: bool = False, **kwargs) -> None:
         super().__init__(dtype=dtype, qscheme=qscheme, is_dynamic=is_dynamic, **kwargs)
         if per_token and (underlying_dtype(dtype) != torch.int8 or qscheme != torch.per_tensor_symmetric):
             raise ValueError("per-token dynamic quantization is symmetric int8; use dtype=torch.int8, per_tensor_symmetric")
+        if is_per_channel(qscheme):
+            raise ValueError(f"dynamic quantization is per tensor or per token, got qscheme {qscheme}")
+        eps = float(self.eps.reshape(-1)[0])
+        del self.eps  # the buffer: a literal in the converted graph, not state
+        self.eps = eps
         self.per_token = bool(per_token)
+
+    @property
+    def granularity(self) -> str:
+        return PER_TOKEN if self.per_token else PER_TENSOR
 
     @property
     def calibrated(self) -> bool:
@@ -222,3 +237,16 @@ class PlaceholderObserver(QuantkitObserver):
             f"observer at node '{self.node_name}' is for dynamic quantization; its qparams are chosen at run time"
         )
 
+    def convert(self, model: torch.fx.GraphModule, observer_node: torch.fx.Node) -> None:
+        """Replace ``observer_node`` in ``model`` with run-time choose-qparams, quantize and
+        dequantize ops (torchao's ``convert_pt2e`` calls this hook; so does quantkit's)."""
+        from quantkit._convert import emit_dynamic
+
+        if not self.is_dynamic:
+            raise ConvertError(
+                f"observer at node '{self.node_name}' has is_dynamic=False but records no ranges; "
+                "use it for dynamic quantization only"
+            )
+        out = emit_dynamic(model.graph, observer_node, self)
+        observer_node.replace_all_uses_with(out)
+        model.graph.erase_node(observer_node)

@@ -9,6 +9,8 @@ from torch.fx import GraphModule, Node
 from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, QuantizationSpec, Quantizer
 
 from quantkit._scopes import module_scopes
+from quantkit._qmath import is_per_channel
+from quantkit.observers import declared_qscheme
 from quantkit.observers import get as get_observer
 
 
@@ -36,9 +38,10 @@ class EmbeddingQuantizer(Quantizer):
     def __init__(self, weight_observer: str = "per_channel_minmax") -> None:
         super().__init__()
         ctor = get_observer(weight_observer)  # raises ValueError naming the known observers
-        cls = ctor.p.func if hasattr(ctor, "p") else ctor
-        if "PerChannel" not in getattr(cls, "__name__", ""):
-            raise ValueError(f"EmbeddingQuantizer needs a per-channel observer, got {weight_observer!r}")
+        if not is_per_channel(declared_qscheme(ctor)):
+            raise ValueError(
+                f"EmbeddingQuantizer needs a per-channel observer (one whose qscheme is per channel), got {weight_observer!r}"
+            )
         self.spec = QuantizationSpec(
             dtype=torch.int8, quant_min=-128, quant_max=127, qscheme=torch.per_channel_symmetric,
             ch_axis=0, is_dynamic=False, observer_or_fake_quant_ctr=ctor,

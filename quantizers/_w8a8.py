@@ -14,6 +14,8 @@ from torchao.quantization.pt2e.quantizer import (
 )
 
 from quantkit._scopes import module_scopes, type_name
+from quantkit._qmath import is_per_channel
+from quantkit.observers import declared_qscheme
 from quantkit.observers import get as get_observer
 
 from ._config import Granularity, QuantConfig
@@ -144,8 +146,8 @@ class W8A8Quantizer(Quantizer):
         """Weight spec; ``ch_axis`` is the output-channel axis (0 for ``linear``/conv
         weights ``[N, K, ...]``, 1 for ``[K, N]`` weights of ``addmm``/``mm``)."""
         ctor = get_observer(config.weight_observer)
-        cls = ctor.p.func if hasattr(ctor, "p") else ctor
-        per_channel = "PerChannel" in getattr(cls, "__name__", "")
+        # the observer declares its granularity (its default qscheme), whatever its class name
+        per_channel = is_per_channel(declared_qscheme(ctor))
         return QuantizationSpec(
             dtype=torch.int8, quant_min=-128, quant_max=127,
             qscheme=torch.per_channel_symmetric if per_channel else torch.per_tensor_symmetric,

@@ -9,8 +9,8 @@ from torch.fx import GraphModule
 
 from ._calibrate import calibrate
 from ._capture import capture
-from ._convert import convert
-from ._prepare import prepare
+from ._convert import convert_in_place
+from ._prepare import prepare, prepare_in_place
 
 __all__ = ["quantize"]
 
@@ -18,6 +18,10 @@ __all__ = ["quantize"]
 def quantize(model: torch.nn.Module, example_inputs: Any, calib_data: Iterable, quantizer=None, *,
              dynamic_shapes=None, progress: bool = True, max_batches: int | None = None) -> GraphModule:
     """Quantize ``model`` end to end and return the converted q/dq GraphModule.
+
+    Ownership: ``model`` is never modified; the result is a new module. Only one float copy
+    of the weights exists throughout (the caller's): the captured graph shares them, and the
+    private prepared model is converted in place, its float weights replaced by int8 ones.
 
     Args:
         model: the float model.
@@ -33,7 +37,9 @@ def quantize(model: torch.nn.Module, example_inputs: Any, calib_data: Iterable, 
         from quantkit.quantizers import W8A8Quantizer
 
         quantizer = W8A8Quantizer()
-    gm = model if isinstance(model, GraphModule) else capture(model, example_inputs, dynamic_shapes=dynamic_shapes)
-    prepared = prepare(gm, quantizer)
+    if isinstance(model, GraphModule):
+        prepared = prepare(model, quantizer)  # the caller's graph: prepare a copy
+    else:  # a graph of our own: prepare it in place
+        prepared = prepare_in_place(capture(model, example_inputs, dynamic_shapes=dynamic_shapes), quantizer)
     calibrate(prepared, calib_data, progress=progress, max_batches=max_batches)
-    return convert(prepared)
+    return convert_in_place(prepared)

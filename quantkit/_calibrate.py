@@ -80,8 +80,11 @@ def calibrate(prepared: GraphModule, data: Iterable, *, progress: bool = True,
               max_batches: int | None = None, skip_padding: bool = True) -> GraphModule:
     """Run ``data`` through a prepared model so its observers record ranges.
 
+    Ownership: works in place (recording ranges into the prepared model's observers is
+    its job); calling it again adds more data to the same statistics.
+
     Args:
-        prepared: the output of :func:`quantkit.prepare`.
+        prepared: the output of :func:`quantkit.prepare` (or of torchao's ``prepare_pt2e``).
         data: an iterable of batches; each batch is a tensor, a tuple of positional
             arguments or a dict of keyword arguments. Batch sizes may vary.
         progress: show a progress bar.

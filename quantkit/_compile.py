@@ -32,8 +32,10 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", **torch_compil
     An FX pass first rewrites ``dq(x) -> linear <- dq(w_int8)`` (with a following relu/gelu and
     requantize fused in) into int8 kernels: quantkit's Triton ops on CUDA (plus int8 attention
     matmuls), oneDNN ``qlinear_pointwise`` on CPU with Inductor freezing on, so the weight
-    prepack is folded. Unmatched q/dq stays as it is (reference numerics). ``converted`` itself
-    is not modified; the pass works on a copy, which is inference-only.
+    prepack is folded. Unmatched q/dq stays as it is (reference numerics).
+
+    Ownership: ``converted`` is never modified; the pass works on a copy (inference-only),
+    and the compiled module is new.
 
     Args:
         converted: the GraphModule returned by ``quantkit.convert``.

@@ -9,10 +9,10 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from ._errors import ConvertError
-from ._prepare import is_observer_node
+from ._prepare import copy_sharing_parameters, is_observer_node
 from ._qmath import is_per_channel, underlying_dtype
 
-__all__ = ["convert", "QPARAMS_META_KEY", "QUANTIZE_OPS", "DEQUANTIZE_OPS"]
+__all__ = ["convert", "convert_in_place", "emit_dynamic", "QPARAMS_META_KEY", "QUANTIZE_OPS", "DEQUANTIZE_OPS"]
 
 # gm.meta entry listing every quantized tensor with its qparams (used by reports)
 QPARAMS_META_KEY = "quantkit_qparams"
@@ -61,6 +61,54 @@ def _constant_value(gm: GraphModule, node, memo: dict):
     return value
 
 
+def _per_token(obs) -> bool:
+    from quantkit.observers._base import PER_TOKEN
+
+    return getattr(obs, "granularity", None) == PER_TOKEN
+
+
+def _scalar(value) -> float:
+    return float(value.reshape(-1)[0]) if isinstance(value, torch.Tensor) else float(value)
+
+
+def emit_dynamic(graph: torch.fx.Graph, node: Node, obs) -> Node:
+    """Insert, before the observer call ``node``, the run-time quantization of its input that
+    the dynamic observer ``obs`` describes; return the dequantized value.
+
+    Per tensor (``obs.qscheme`` affine or symmetric): ``choose_qparams[_symmetric].tensor``
+    then ``quantize/dequantize_per_tensor.tensor`` (torchao's ``convert_pt2e`` emits the same);
+    per token (``obs.granularity == "per-token"``): ``choose_qparams_per_token`` then
+    ``quantize/dequantize_per_token``.
+    """
+    src = node.args[0]
+    dtype = underlying_dtype(getattr(obs, "dtype", torch.float32))
+    if dtype not in (torch.int8, torch.uint8):
+        raise ConvertError(f"dynamic quantization supports int8 and uint8, got {dtype} at node '{node.name}'")
+    val = src.meta.get("val") if isinstance(src, Node) else None
+    float_out = val.dtype if isinstance(val, torch.Tensor) and val.is_floating_point() else torch.float32
+    with graph.inserting_before(node):
+        if _per_token(obs):
+            choose = graph.call_function(_OPS.choose_qparams_per_token.default, (src, dtype))
+            scale = graph.call_function(operator.getitem, (choose, 0))
+            zp = graph.call_function(operator.getitem, (choose, 1))
+            qargs = (scale, zp, obs.quant_min, obs.quant_max, dtype)
+            q = graph.call_function(_OPS.quantize_per_token.default, (src,) + qargs)
+            return graph.call_function(_OPS.dequantize_per_token.default, (q,) + qargs + (float_out,))
+        qscheme = getattr(obs, "qscheme", torch.per_tensor_affine)
+        if qscheme not in _CHOOSE_QPARAMS:
+            raise ConvertError(
+                f"dynamic quantization supports per-tensor qschemes only, got {qscheme} at node '{node.name}'"
+            )
+        eps = _scalar(getattr(obs, "eps", torch.finfo(torch.float32).eps))
+        choose = graph.call_function(_CHOOSE_QPARAMS[qscheme], (src, obs.quant_min, obs.quant_max, eps, dtype))
+        scale = graph.call_function(operator.getitem, (choose, 0))
+        zp = graph.call_function(operator.getitem, (choose, 1))
+        qargs = (scale, zp, obs.quant_min, obs.quant_max, dtype)
+        q = graph.call_function(_OPS.quantize_per_tensor.tensor, (src,) + qargs)
+        kwargs = {} if float_out == torch.float32 else {"out_dtype": float_out}
+        return graph.call_function(_OPS.dequantize_per_tensor.tensor, (q,) + qargs, kwargs)
+
+
 def _is_calibrated(obs) -> bool:
     flag = getattr(obs, "calibrated", None)
     if flag is not None:
@@ -89,6 +137,15 @@ class _Converter:
 
     def replace(self, node: Node) -> None:
         obs = self.modules[str(node.target)]
+        if getattr(obs, "is_dynamic", False):
+            self.records.append({"node": getattr(obs, "node_name", node.name),
+                                 "kind": "dynamic-per-token" if _per_token(obs) else "dynamic",
+                                 "dtype": str(underlying_dtype(obs.dtype)).replace("torch.", "")})
+        if hasattr(obs, "convert"):
+            # torchao's protocol: an observer that knows its own ops (quantkit's dynamic
+            # PlaceholderObserver, torchao's affine/group-wise observers) rewrites its node
+            obs.convert(self.gm, node)
+            return
         src = node.args[0]
         const = _constant_value(self.gm, src, self.memo)
         dtype = underlying_dtype(getattr(obs, "dtype", torch.float32))
@@ -103,31 +160,8 @@ class _Converter:
                 out = self.graph.call_function(conv, (self.graph.call_function(conv, (src, torch.float16)), torch.float32))
             elif dtype not in _SUPPORTED:
                 out = src  # nothing to quantize (e.g. a float passthrough observer)
-            elif is_dynamic and getattr(obs, "per_token", False):
-                choose = self.graph.call_function(_OPS.choose_qparams_per_token.default, (src, dtype))
-                scale = self.graph.call_function(operator.getitem, (choose, 0))
-                zp = self.graph.call_function(operator.getitem, (choose, 1))
-                qargs = (scale, zp, obs.quant_min, obs.quant_max, dtype)
-                q = self.graph.call_function(_OPS.quantize_per_token.default, (src,) + qargs)
-                out_dtype = val.dtype if isinstance(val, torch.Tensor) else torch.float32
-                out = self.graph.call_function(_OPS.dequantize_per_token.default, (q,) + qargs + (out_dtype,))
-                self.records.append({"node": getattr(obs, "node_name", node.name),
-                                     "kind": "dynamic-per-token", "dtype": str(dtype).replace("torch.", "")})
             elif is_dynamic:
-                qscheme = getattr(obs, "qscheme", torch.per_tensor_affine)
-                if qscheme not in _CHOOSE_QPARAMS:
-                    raise ConvertError(
-                        f"dynamic quantization supports per-tensor qschemes only, got {qscheme} at node '{node.name}'"
-                    )
-                eps = float(getattr(obs, "eps", torch.tensor([torch.finfo(torch.float32).eps])).reshape(-1)[0])
-                choose = self.graph.call_function(_CHOOSE_QPARAMS[qscheme], (src, obs.quant_min, obs.quant_max, eps, dtype))
-                scale = self.graph.call_function(operator.getitem, (choose, 0))
-                zp = self.graph.call_function(operator.getitem, (choose, 1))
-                qargs = (scale, zp, obs.quant_min, obs.quant_max, dtype)
-                q = self.graph.call_function(_OPS.quantize_per_tensor.tensor, (src,) + qargs)
-                out = self.graph.call_function(_OPS.dequantize_per_tensor.tensor, (q,) + qargs, out_kwargs)
-                self.records.append({"node": obs.node_name if hasattr(obs, "node_name") else node.name,
-                                     "kind": "dynamic", "dtype": str(dtype).replace("torch.", "")})
+                out = emit_dynamic(self.graph, node, obs)
             else:
                 scale, zp = obs.calculate_qparams()
                 if is_per_channel(obs.qscheme):
@@ -188,19 +222,39 @@ def _remove_unused_attributes(gm: GraphModule) -> None:
 
 
 def convert(prepared: GraphModule) -> GraphModule:
-    """Replace every observer with a ``quantized_decomposed`` quantize/dequantize pair.
+    """Return a converted copy of ``prepared``: every observer replaced with a
+    ``quantized_decomposed`` quantize/dequantize pair.
 
     Static per-tensor observers become ``quantize_per_tensor``/``dequantize_per_tensor``
     with scalar qparams, per-channel ones ``*_per_channel`` with qparam buffers, dynamic
-    ones ``choose_qparams`` + ``*_per_tensor.tensor``. Quantized constants (weights)
-    are folded: the graph keeps an int8 buffer and its dequantize only, and the float
-    weight is dropped. Every dequantize with several consumers is duplicated per consumer.
+    ones ``choose_qparams`` + ``*_per_tensor.tensor`` (``*_per_token`` for per-token
+    observers). Quantized constants (weights) are folded: the graph keeps an int8 buffer and
+    its dequantize only, and the float weight is dropped. Every dequantize with several
+    consumers is duplicated per consumer. Observers of quantkit, torchao (``prepare_pt2e``)
+    and ``torch.ao`` are all accepted; an observer with a ``convert(model, node)`` method
+    (torchao's protocol) rewrites its own node.
+
+    Ownership: ``prepared`` is never modified and stays usable (calibrate it further,
+    convert it again: the same data gives the same model). The result is a new
+    GraphModule; the float parameters it keeps (biases, layers left float) are
+    ``prepared``'s own tensors, not copies, and its int8 weights are new.
 
     Raises:
-        ConvertError: if an activation observer has seen no data (calibrate first).
+        ConvertError: if the model has no observers, or an activation observer has seen
+            no data (calibrate first).
     """
     if not isinstance(prepared, GraphModule):
         raise TypeError(f"convert expects the GraphModule returned by quantkit.prepare, got {type(prepared).__name__}")
+    modules = dict(prepared.named_modules(remove_duplicate=False))
+    if not any(is_observer_node(n, modules) for n in prepared.graph.nodes):
+        raise ConvertError("the model has no observers; call quantkit.prepare(model, quantizer) before convert")
+    return convert_in_place(copy_sharing_parameters(prepared))
+
+
+def convert_in_place(prepared: GraphModule) -> GraphModule:
+    """:func:`convert` without the copy: the observers of ``prepared`` are consumed and its
+    graph rewritten; for callers whose prepared model is private (``quantize``). On an
+    error, ``prepared`` is left as it was."""
     conv = _Converter(prepared)
     obs_nodes = [n for n in prepared.graph.nodes if is_observer_node(n, conv.modules)]
     if not obs_nodes:

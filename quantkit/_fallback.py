@@ -144,6 +144,8 @@ def auto_fallback(model: torch.nn.Module, example_inputs: Any, calib_data: Itera
        keeping it int8 when the budget still holds; then build the final model and
        measure it afresh: that measurement is the reported score.
 
+    ``model`` is not modified; the returned model is new.
+
     Args:
         model: the float model.
         example_inputs: one batch to capture it with.

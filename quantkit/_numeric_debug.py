@@ -257,6 +257,8 @@ def compare(float_model: torch.nn.Module, quantized_model: GraphModule, data: It
             max_batches: int | None = None) -> LayerReport:
     """Per-layer SQNR, max error, int8 range against observed range, and clipping.
 
+    Neither model is modified (the recording runs on copies).
+
     Args:
         float_model: the float model the quantized one was made from (or its
             captured graph).

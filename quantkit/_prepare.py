@@ -7,20 +7,53 @@ import copy
 import torch
 from torch.fx import GraphModule, Node
 
+from quantkit.observers import QuantkitObserver
 from quantkit.observers._tokens import token_dim
 
 from ._fold_bn import fold_conv_bn
 from ._sharing import ANNOTATION_KEY, EdgeOrNode, observers_for_annotations
 
-__all__ = ["prepare", "OBSERVER_PREFIX", "is_observer_node", "mark_padding_aware"]
+__all__ = [
+    "prepare", "OBSERVER_PREFIX", "is_observer_module", "is_observer_node", "mark_padding_aware",
+    "copy_sharing_parameters", "prepare_in_place",
+]
 
 OBSERVER_PREFIX = "activation_post_process_"
 
 
-def is_observer_node(node: Node, modules: dict[str, torch.nn.Module]) -> bool:
-    from torchao.quantization.pt2e.observer import ObserverBase
+def _observer_bases() -> tuple[type, ...]:
+    from torch.ao.quantization.fake_quantize import FakeQuantizeBase as AoFakeQuantizeBase
+    from torch.ao.quantization.observer import ObserverBase as AoObserverBase
+    from torchao.quantization.pt2e.fake_quantize import FakeQuantizeBase
+    from torchao.quantization.pt2e.observer import AffineQuantizedObserverBase, ObserverBase
 
-    return node.op == "call_module" and isinstance(modules.get(str(node.target)), ObserverBase)
+    return (ObserverBase, AffineQuantizedObserverBase, FakeQuantizeBase, AoObserverBase, AoFakeQuantizeBase)
+
+
+def is_observer_module(module) -> bool:
+    """Whether ``module`` is an observer or fake-quantize module (quantkit's, torchao's or
+    ``torch.ao``'s): what :func:`quantkit.convert` replaces with quantize/dequantize ops."""
+    return isinstance(module, _observer_bases())
+
+
+def is_observer_node(node: Node, modules: dict[str, torch.nn.Module]) -> bool:
+    return node.op == "call_module" and is_observer_module(modules.get(str(node.target)))
+
+
+def copy_sharing_parameters(gm: GraphModule) -> GraphModule:
+    """A deep copy of ``gm`` (graph, submodules, buffers, meta) whose parameters are ``gm``'s
+    own tensors, not copies; observers are copied whole (their state is what differs).
+
+    The quantkit passes that copy (prepare, convert) never write a parameter in place: they
+    register new tensors on the copy (folded batch norm, int8 weights), so sharing is safe
+    and a copy costs no weight memory.
+    """
+    observed = set()
+    for m in gm.modules():
+        if is_observer_module(m):
+            observed.update(id(t) for t in list(m.parameters()) + list(m.buffers()))
+    memo = {id(p): p for _, p in gm.named_parameters(remove_duplicate=False) if id(p) not in observed}
+    return copy.deepcopy(gm, memo)
 
 
 def _describe(key: EdgeOrNode) -> str:
@@ -103,12 +136,15 @@ def _concrete(size, tokens_symbol) -> int:
 
 
 def mark_padding_aware(gm: GraphModule) -> None:
-    """Mark the observers of activations laid out ``[batch, ..., tokens, ...]`` (or
-    ``[batch * tokens, ...]``) as ``padding_aware``, so that :func:`quantkit.calibrate`
-    can leave padding tokens out. The layout rule is :func:`quantkit.observers._tokens.token_dim`,
-    with the sizes of the graph's ``attention_mask`` input (``[batch, tokens]``, the
-    Hugging Face name); observers of weights, and any observer with a call site of
-    another layout, stay unaware."""
+    """Record on each observer of activations laid out ``[batch, ..., tokens, ...]`` (or
+    ``[batch * tokens, ...]``) its token axis, so that :func:`quantkit.calibrate` can leave
+    padding tokens out (``obs.token_axes``: one ``(layout, axis)`` pair per call site, the
+    layout being the sizes with None for symbolic ones; :data:`quantkit.observers._tokens.FLAT`
+    for flattened rows). The layout rule is
+    :func:`quantkit.observers._tokens.token_dim`, applied here once, to the graph's symbolic
+    shapes and the sizes of its ``attention_mask`` input (``[batch, tokens]``, the Hugging
+    Face name). Observers of weights, and any observer with a call site of another layout
+    (or two call sites of one layout with different token axes), are left unaware."""
     mask = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "attention_mask"), None)
     val = None if mask is None else mask.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() != 2:
@@ -118,7 +154,7 @@ def mark_padding_aware(gm: GraphModule) -> None:
     batch = _concrete(batch_size, tokens_symbol)
     tokens = _concrete(token_size, tokens_symbol)
     modules = dict(gm.named_modules(remove_duplicate=False))
-    aware: dict[int, tuple[torch.nn.Module, bool]] = {}
+    axes: dict[int, tuple[torch.nn.Module, set | None]] = {}
     for node in gm.graph.nodes:
         if not is_observer_node(node, modules):
             continue
@@ -127,44 +163,63 @@ def mark_padding_aware(gm: GraphModule) -> None:
         while isinstance(src, Node) and is_observer_node(src, modules):
             src = src.args[0]
         shape = getattr(node.meta.get("val"), "shape", None)
-        ok = not (isinstance(src, Node) and src.op == "get_attr") and shape is not None
-        if ok:
+        axis = None
+        if not (isinstance(src, Node) and src.op == "get_attr") and shape is not None:
             try:
-                ok = token_dim([_concrete(s, tokens_symbol) for s in shape], batch, tokens) is not None
+                axis = token_dim([_concrete(s, tokens_symbol) for s in shape], batch, tokens)
             except (TypeError, ValueError):  # a size we cannot evaluate
-                ok = False
-        prev = aware.get(id(obs), (obs, True))[1]
-        aware[id(obs)] = (obs, prev and ok)
-    for obs, ok in aware.values():
-        if hasattr(obs, "padding_aware"):
-            obs.padding_aware = ok
+                axis = None
+        sites = axes.get(id(obs), (obs, set()))[1]
+        if sites is not None and axis is not None:
+            layout = tuple(s if isinstance(s, int) else None for s in shape)
+            sites = None if any(lay == layout and a != axis for lay, a in sites) else sites | {(layout, axis)}
+        else:
+            sites = None
+        axes[id(obs)] = (obs, sites)
+    for obs, sites in axes.values():
+        if isinstance(obs, QuantkitObserver):
+            obs.token_axes = tuple(sorted(sites, key=repr)) if sites else ()
 
 
 def prepare(model: GraphModule, quantizer) -> GraphModule:
-    """Annotate ``model`` with ``quantizer`` and insert observers where it asks.
+    """Annotate a copy of ``model`` with ``quantizer`` and insert observers where it asks.
 
     Batch norms that follow convolutions are folded first. Observers are shared as
     the annotations say (``SharedQuantizationSpec``, implicit sharing of one tensor
     between its consumers), derived specs get observers that compute their qparams
     from others, and fixed specs get fixed qparams.
 
+    Ownership: ``model`` is never modified. The result is a new GraphModule (its own graph,
+    buffers and observers) that shares ``model``'s parameter tensors, which no quantkit
+    pass writes in place, so preparing costs no weight memory; :func:`quantkit.calibrate`
+    then updates the prepared model's observers in place, and :func:`quantkit.convert`
+    returns another new module.
+
     Args:
         model: a GraphModule from :func:`quantkit.capture` (or ``torch.export(...).module()``).
         quantizer: a torchao-protocol ``Quantizer`` (quantkit's or torchao's own).
 
     Returns:
-        A new prepared GraphModule (``model`` itself is not modified). Its outputs
-        equal the float model's.
+        The prepared GraphModule. Its outputs equal the float model's.
     """
+    _check_arguments(model, quantizer)
+    return prepare_in_place(copy_sharing_parameters(model), quantizer)
+
+
+def _check_arguments(model, quantizer) -> None:
     if not isinstance(model, GraphModule):
         raise TypeError(
             f"prepare expects a torch.fx.GraphModule, got {type(model).__name__}; call quantkit.capture(model, example_inputs) first"
         )
     if not hasattr(quantizer, "annotate"):
         raise TypeError(f"quantizer must implement the Quantizer protocol (annotate), got {type(quantizer).__name__}")
+
+
+def prepare_in_place(model: GraphModule, quantizer) -> GraphModule:
+    """:func:`prepare` without the copy: ``model`` itself is rewritten (its graph, and its
+    folded conv weights replaced); for callers whose ``model`` is private (``quantize``)."""
+    _check_arguments(model, quantizer)
     meta = dict(model.meta)
-    # work on a copy: the caller's captured graph stays float and can be prepared again
-    model = copy.deepcopy(model)
     fold_conv_bn(model)
     model = quantizer.transform_for_annotation(model)
     quantizer.annotate(model)

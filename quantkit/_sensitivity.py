@@ -124,7 +124,7 @@ def sensitivity(model: torch.nn.Module, example_inputs: Any, calib_data: Iterabl
     """Measure how much each quantized layer costs in ``metric``, ranked.
 
     The model is calibrated once; each layer's variant reuses those statistics (they
-    do not depend on which other layers are quantized).
+    do not depend on which other layers are quantized). ``model`` is not modified.
 
     Args:
         model: the float model.

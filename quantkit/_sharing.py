@@ -28,6 +28,7 @@ from torchao.quantization.pt2e.quantizer import (
     SharedQuantizationSpec,
 )
 
+from quantkit._qmath import is_per_channel
 from quantkit.observers import DerivedObserver, FixedQParamsObserver
 
 __all__ = ["ANNOTATION_KEY", "EdgeOrNode", "observers_for_annotations", "observer_for_spec"]
@@ -169,8 +170,7 @@ def observer_for_spec(spec: QuantizationSpec) -> torch.nn.Module:
     """A fresh observer instance for a plain ``QuantizationSpec`` (what prepare inserts)."""
     ctor = spec.observer_or_fake_quant_ctr
     kwargs = _observer_kwargs(spec)
-    cls = ctor.p.func if hasattr(ctor, "p") else ctor
-    if "PerChannel" not in getattr(cls, "__name__", ""):
+    if not is_per_channel(spec.qscheme):  # the spec declares it (as in torchao's prepare)
         kwargs.pop("ch_axis")
     return ctor.with_args(**kwargs)() if hasattr(ctor, "with_args") else ctor(**kwargs)
 

@@ -20,7 +20,7 @@ from quantkit.observers import DerivedObserver
 
 from ._calibrate import calibrate
 from ._capture import capture
-from ._convert import convert
+from ._convert import convert, convert_in_place
 from ._layers import KeepFloat, Layer, find_layers
 from ._prepare import is_observer_node, prepare
 
@@ -48,7 +48,7 @@ def _observer_groups(prepared: GraphModule) -> dict[tuple, tuple[torch.nn.Module
         instances[id(obs)] = obs
     groups = {}
     for key, obs in instances.items():
-        config = (type(obs).__name__, str(getattr(obs, "dtype", "")), str(getattr(obs, "qscheme", "")),
+        config = (type(obs), str(getattr(obs, "dtype", "")), str(getattr(obs, "qscheme", "")),
                   getattr(obs, "quant_min", None), getattr(obs, "quant_max", None),
                   getattr(obs, "ch_axis", None), bool(getattr(obs, "is_dynamic", False)))
         groups[config + (frozenset(watched[key]),)] = (obs, names[key])
@@ -74,11 +74,11 @@ class Variants:
         self.quantizer = quantizer
         self.calib_data = calib_data
         self.float_graph = model if isinstance(model, GraphModule) else capture(model, example_inputs)
-        prepared = prepare(copy.deepcopy(self.float_graph), quantizer)
+        prepared = prepare(self.float_graph, quantizer)  # prepare copies; the float graph stays as it is
         calibrate(prepared, calib_data, progress=False)
         self._batches = prepared.meta["quantkit_calibrated_batches"]
-        # a snapshot: convert strips the observers of the prepared model it rewrites
-        self._groups = {key: (copy.deepcopy(obs), names) for key, (obs, names) in _observer_groups(prepared).items()}
+        # convert leaves the prepared model (and so these observers) as they are
+        self._groups = _observer_groups(prepared)
         if not self._groups:
             raise ValueError("the quantizer quantizes no linear, conv, matmul or add op in this model; nothing to analyse")
         self.quantized = convert(prepared)
@@ -96,7 +96,7 @@ class Variants:
         names = frozenset(keep_float)
         if not names:
             return copy.deepcopy(self.quantized)
-        prepared = prepare(copy.deepcopy(self.float_graph), KeepFloat(self.quantizer, names))
+        prepared = prepare(self.float_graph, KeepFloat(self.quantizer, names))
         modules = dict(prepared.named_modules(remove_duplicate=False))
         if not any(is_observer_node(n, modules) for n in prepared.graph.nodes):
             prepared.meta.pop("quantkit_prepared", None)
@@ -106,7 +106,7 @@ class Variants:
         else:
             self.rebuilt += 1
             calibrate(prepared, self.calib_data, progress=False)
-        return convert(prepared)
+        return convert_in_place(prepared)  # our own prepared model: no copy needed
 
     def _copy_observers(self, prepared: GraphModule) -> bool:
         groups = _observer_groups(prepared)

@@ -153,7 +153,7 @@ def test_unaware_observer_and_all_padding():
         obs(x)  # not marked: sees everything
     assert float(obs.max_val) == float(x.max())
     aware = MinMaxObserver()
-    aware.padding_aware = True
+    aware.token_axes = (((None, None, None), 1),)  # as prepare records it: [batch, tokens, ...]
     with token_mask(mask):
         aware(x)  # every token is padding: nothing observed
     assert not aware.calibrated

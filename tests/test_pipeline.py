@@ -304,3 +304,161 @@ def test_per_token_never_applies_to_conv_inputs():
     assert c["choose_qparams_symmetric.tensor"] == 5
     with torch.no_grad():
         assert sqnr(model(x), qmodel(x)) >= 30
+
+
+# --- ownership: prepare/convert return new modules, never modify their input ------------
+
+def test_convert_twice_leaves_prepared_usable():
+    model, x = make_mlp()
+    gm = quantkit.capture(model, (x[:8],))
+    prepared = quantkit.prepare(gm, W8A8Quantizer())
+    quantkit.calibrate(prepared, _calib(x), progress=False)
+    n_obs = len(_observers(prepared))
+    a, b = quantkit.convert(prepared), quantkit.convert(prepared)
+    assert a is not prepared and b is not prepared and a is not b
+    with torch.no_grad():
+        assert torch.equal(a(x), b(x))
+        # prepared still has every observer and still computes the float function
+        assert len(_observers(prepared)) == n_obs
+        torch.testing.assert_close(prepared(x), model(x), atol=1e-5, rtol=0)
+    # calibrating further changes what the next convert gives, and only that one
+    quantkit.calibrate(prepared, [(x * 3,)], progress=False)
+    c = quantkit.convert(prepared)
+    with torch.no_grad():
+        assert not torch.equal(a(x), c(x))
+        assert torch.equal(a(x), b(x))
+
+
+def test_prepare_and_convert_share_unmodified_parameters():
+    # no weight is copied: the prepared model holds the captured graph's parameter tensors,
+    # and the converted one keeps the float biases as those same tensors (int8 weights are new)
+    model, x = make_mlp()
+    gm = quantkit.capture(model, (x[:8],))
+    ptrs = {p.data_ptr() for p in gm.parameters()}
+    prepared = quantkit.prepare(gm, W8A8Quantizer())
+    assert {p.data_ptr() for p in prepared.parameters()} == ptrs
+    quantkit.calibrate(prepared, _calib(x), progress=False)
+    qmodel = quantkit.convert(prepared)
+    biases = [t for t in list(qmodel.parameters()) + list(qmodel.buffers()) if t.is_floating_point() and t.dim() == 1
+              and t.numel() in (128, 32) and t.data_ptr() in ptrs]
+    assert len(biases) == 3, "the three float biases should be shared, not copied"
+    assert all(t.data_ptr() not in ptrs for t in qmodel.buffers() if t.dtype == torch.int8)
+
+
+def test_quantize_leaves_the_model_untouched():
+    model, x = make_cnn()  # batch norms get folded: on the copy, never on the model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        ref = model(x)
+    quantkit.quantize(model, (x[:8],), _calib(x), progress=False)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref)
+
+
+# --- behaviour declared by attributes, not class names ------------------------------
+
+class _RowAbsMax(quantkit.observers.QuantkitObserver):
+    """A user's per-channel observer that is no subclass of quantkit's per-channel ones and
+    whose name says nothing: it declares a per-channel qscheme and a ch_axis."""
+
+    def __init__(self, ch_axis=0, dtype=torch.int8, qscheme=torch.per_channel_symmetric, **kwargs):
+        super().__init__(dtype=dtype, qscheme=qscheme, **kwargs)
+        self.ch_axis = ch_axis
+        self.register_buffer("amax", torch.tensor([]))
+
+    @property
+    def calibrated(self):
+        return self.amax.numel() > 0
+
+    def _observe(self, x):
+        a = x.transpose(0, self.ch_axis).flatten(1).abs().amax(1)
+        self.amax = a if not self.calibrated else torch.maximum(a, self.amax)
+
+    def _min_max(self):
+        return -self.amax, self.amax
+
+    def _merge(self, other):
+        self.amax = torch.maximum(self.amax, other.amax)
+
+
+class PerChannelLookalikeObserver(quantkit.observers.MinMaxObserver):
+    """Per tensor, whatever its name says."""
+
+
+quantkit.observers.register("test_row_abs_max", _RowAbsMax)
+quantkit.observers.register("test_per_channel_lookalike", PerChannelLookalikeObserver)
+
+
+def test_custom_per_channel_observer_by_any_name_gives_per_channel_weights():
+    model, x = make_mlp()
+    q = W8A8Quantizer(QuantConfig(weight_observer="test_row_abs_max"))
+    qmodel = quantkit.quantize(model, (x[:8],), _calib(x), q, progress=False)
+    assert _counts(qmodel)["dequantize_per_channel.default"] == 3
+    # independent reference: symmetric int8 per row, scale = absmax / 127.5 (torchao's
+    # symmetric rule: (quant_max - quant_min) / 2), zero point 0; x * (1 / scale) as the
+    # quantized_decomposed ops define rounding (x / scale differs by one on ties)
+    w = model.fc1.weight.detach()
+    scale = w.abs().amax(1, keepdim=True) / 127.5
+    expected = torch.clamp(torch.round(w * (1.0 / scale)), -128, 127).to(torch.int8)
+    int8 = [t for t in qmodel.buffers() if t.dtype == torch.int8 and t.shape == w.shape]
+    assert any(torch.equal(t, expected) for t in int8)
+
+    lookalike = W8A8Quantizer(QuantConfig(weight_observer="test_per_channel_lookalike"))
+    qmodel = quantkit.quantize(model, (x[:8],), _calib(x), lookalike, progress=False)
+    c = _counts(qmodel)
+    assert "dequantize_per_channel.default" not in c and c["dequantize_per_tensor.default"] == 6
+
+
+def test_dynamic_observers_declare_what_they_are():
+    from quantkit.observers import PlaceholderObserver
+
+    tok = PlaceholderObserver(per_token=True)
+    assert tok.is_dynamic and tok.granularity == "per-token" and isinstance(tok.eps, float)
+    assert PlaceholderObserver().granularity == "per-tensor"
+    assert quantkit.observers.get("per_channel_minmax")().granularity == "per-channel"
+    with pytest.raises(ValueError, match="per tensor or per token"):
+        PlaceholderObserver(qscheme=torch.per_channel_symmetric)
+
+
+class _Masked(torch.nn.Module):
+    """Attention over 2 heads: [B, S, H] linear inputs; keys observed as [B, 2, S, 4] and,
+    through the shared observer of the transpose, as [B, 2, 4, S]."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x, attention_mask):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 2, 4).transpose(1, 2)
+        k = self.k(x).view(b, s, 2, 4).transpose(1, 2)
+        return torch.matmul(q, k.transpose(2, 3)) * attention_mask[:, None, None, :]
+
+
+def test_token_axes_recorded_at_prepare():
+    torch.manual_seed(0)
+    x, mask = torch.randn(4, 6, 8), torch.ones(4, 6, dtype=torch.long)
+    mask[0, 3:] = 0
+    mask[2, 1:] = 0
+    x[mask == 0] = 50.0  # padding positions stand out
+    prepared = quantkit.prepare(quantkit.capture(_Masked(), {"x": x, "attention_mask": mask}), W8A8Quantizer())
+    modules = dict(prepared.named_modules(remove_duplicate=False))
+    observer_nodes = [n for n in prepared.graph.nodes
+                      if n.op == "call_module" and isinstance(modules[n.target], quantkit.observers.QuantkitObserver)]
+    recorded = {n.args[0].name: modules[n.target].token_axes for n in observer_nodes}
+    # the input x [B, 6, 8]: tokens at axis 1 (batch symbolic); the keys' shared observer
+    # watches four layouts, with the tokens at axis 1, 1, 2 and (after k^T) 3
+    assert recorded["x"] == (((None, 6, 8), 1),)
+    obs_k = modules[next(n.target for n in observer_nodes if n.args[0].name == "transpose_2")]
+    assert set(obs_k.token_axes) == {((None, 6, 8), 1), ((None, 6, 2, 4), 1), ((None, 2, 6, 4), 2),
+                                     ((None, 2, 4, 6), 3)}
+    assert obs_k._token_axis((3, 2, 4, 6)) == 3 and obs_k._token_axis((3, 2, 6, 4)) == 2
+    assert obs_k._token_axis((3, 8, 6)) is None  # a layout no call site has: observed whole
+    weights = [m for n, m in recorded.items() if n.endswith("weight")]
+    assert weights == [(), ()]
+    quantkit.calibrate(prepared, [{"x": x, "attention_mask": mask}], progress=False)
+    obs_x = modules[next(n.target for n in observer_nodes if n.args[0].name == "x")]
+    real = x[mask.bool()]
+    assert float(obs_x.max_val) == float(real.max()) < 50.0
