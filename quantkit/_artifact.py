@@ -2,38 +2,51 @@
 
 ``model.pt2`` is ``torch.export.save`` of the converted program (int8 weights and their
 dequantize ops); it loads with ``torch.export.load`` once ``quantkit`` is imported
-(which registers the ``quantized_decomposed`` ops). Directories are written beside
-their final place and renamed into it at the end, so a failure leaves nothing behind.
+(which registers the ``quantized_decomposed`` ops). ``quantization.json`` records the
+recipe, the qparams and the SHA-256 of ``model.pt2``.
+
+:func:`load` reads ``model.pt2`` without unpickling or running code from it
+(``quantkit._safe_pt2``) and checks it against that SHA-256. Directories are written
+beside their final place and swapped into it at the end (``quantkit._atomic``), so a
+failure, Ctrl-C or SIGTERM leaves the previous directory (or nothing) behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import json
-import logging
+import math
 import os
 import platform
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+import torch.utils._pytree as pytree
 
+from . import _atomic, _safe_pt2
 from ._capture import CAPTURE_META_KEY
 from ._convert import QPARAMS_META_KEY
 from ._errors import QuantkitError
 
-__all__ = ["save", "load", "MODEL_FILE", "RECIPE_FILE", "FORMAT_VERSION",
-           "export_converted", "write_program", "recipe_document", "versions", "atomic_dir",
-           "check_out_dir", "read_json", "write_json"]
+__all__ = ["save", "load", "MODEL_FILE", "RECIPE_FILE", "FORMAT", "FORMAT_VERSION", "ARTIFACT_FILES",
+           "PROGRAM_META_KEY", "RECIPE_META_KEY", "export_converted", "write_program", "recipe_document",
+           "versions", "atomic_dir", "check_out_dir", "read_json", "write_json", "verify_artifact",
+           "file_sha256"]
 
 MODEL_FILE = "model.pt2"
 RECIPE_FILE = "quantization.json"
 FORMAT = "quantkit-int8"
 FORMAT_VERSION = 1
+# everything quantkit (API or CLI) writes into an artifact directory; --force replaces only these
+ARTIFACT_FILES = frozenset({MODEL_FILE, RECIPE_FILE, "report.md", "report.json"})
+ARTIFACT_DIRS = frozenset({"tokenizer"})
+# where load() keeps the ExportedProgram and the quantization.json it read, for save() to write again
+PROGRAM_META_KEY = "quantkit_program"
+RECIPE_META_KEY = "quantkit_recipe"
 
 
 def versions() -> dict[str, str]:
@@ -59,10 +72,18 @@ def _one_line(exc: BaseException) -> str:
 def export_converted(converted: torch.nn.Module) -> torch.export.ExportedProgram:
     """Re-export a converted GraphModule with the inputs it was captured with.
 
+    Dimensions the captured graph treats as symbolic stay dynamic even when the example
+    had size 1 there (torch.export would specialise a size-1 dimension): such dimensions
+    are traced at size 2, as capture does. A model returned by :func:`load` gives back
+    the program it was loaded from.
+
     Raises:
         QuantkitError: the model was not made by ``quantkit.capture`` → ``convert``, or
             torch.export cannot export it.
     """
+    program = getattr(converted, "meta", {}).get(PROGRAM_META_KEY) if isinstance(converted, torch.nn.Module) else None
+    if isinstance(program, torch.export.ExportedProgram):
+        return program
     if not isinstance(converted, torch.fx.GraphModule) or not converted.meta.get("quantkit_converted"):
         raise QuantkitError(
             f"save expects the model returned by quantkit.convert (or quantkit.quantize), got {type(converted).__name__}"
@@ -70,11 +91,45 @@ def export_converted(converted: torch.nn.Module) -> torch.export.ExportedProgram
     capture = converted.meta.get(CAPTURE_META_KEY)
     if capture is None:
         raise QuantkitError("the converted model has no capture record; build it with quantkit.capture → prepare → convert")
+    args, kwargs = tuple(capture["args"]), dict(capture["kwargs"])
+    model = _plain_outputs(converted)
+    grown = _grow_symbolic_dims(converted, args, kwargs)
+    if grown is not None:
+        try:
+            return torch.export.export(model, *grown, dynamic_shapes=capture["dynamic_shapes"], strict=False)
+        except Exception:  # e.g. the model needs the original sizes: export those below
+            pass
     try:
-        return torch.export.export(_plain_outputs(converted), tuple(capture["args"]), dict(capture["kwargs"]),
-                                   dynamic_shapes=capture["dynamic_shapes"], strict=False)
+        return torch.export.export(model, args, kwargs, dynamic_shapes=capture["dynamic_shapes"], strict=False)
     except Exception as exc:  # torch.export raises many types
         raise QuantkitError(f"could not export the converted model: {_one_line(exc)}") from exc
+
+
+def _grow_symbolic_dims(gm: torch.fx.GraphModule, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """``(args, kwargs)`` with size-1 dims that ``gm``'s inputs hold as symbols repeated to size 2;
+    None when there are none (or the inputs cannot be matched to ``gm``'s placeholders)."""
+    in_spec = getattr(gm, "_in_spec", None)
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    if in_spec is None:
+        return None
+    try:
+        from torch.export._tree_utils import reorder_kwargs
+
+        leaves, spec = pytree.tree_flatten((args, reorder_kwargs(kwargs, in_spec)))
+    except Exception:
+        return None
+    if len(leaves) != len(vals):
+        return None
+    changed = False
+    for i, (leaf, val) in enumerate(zip(leaves, vals)):
+        if not isinstance(leaf, torch.Tensor) or not isinstance(val, torch.Tensor) or leaf.dim() != val.dim():
+            continue
+        for d, size in enumerate(val.shape):
+            if isinstance(size, torch.SymInt) and leaf.shape[d] == 1:
+                leaf = torch.cat([leaf, leaf], dim=d)
+                changed = True
+        leaves[i] = leaf
+    return pytree.tree_unflatten(leaves, spec) if changed else None
 
 
 def _plain(out):
@@ -115,9 +170,29 @@ def _plain_outputs(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def write_program(program: torch.export.ExportedProgram, directory: Path) -> Path:
+    """Write ``program`` as ``directory/model.pt2`` and check that :func:`load` will accept it.
+
+    Raises:
+        QuantkitError: the program holds something quantkit refuses to load (a pickled
+            tensor subclass or object), so it is not written as an artifact.
+    """
     path = Path(directory) / MODEL_FILE
     torch.export.save(program, str(path))
+    try:
+        _safe_pt2.check_archive(path).zf.close()
+    except QuantkitError as exc:
+        path.unlink()
+        raise QuantkitError(f"cannot save this program: {str(exc).split(': ', 1)[-1]}") from None
     return path
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _describe_inputs(value: Any):
@@ -181,88 +256,163 @@ def _dumps(value, indent: int = 0) -> str:
     return _inline(value)
 
 
+def _check_finite(value, where: str, path: Path) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise QuantkitError(f"cannot write {Path(path).name}: {where or 'the document'} is {value}, which JSON "
+                            "cannot hold; check the model and data for NaN/inf")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(v, f"{where}.{k}" if where else str(k), path)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_finite(v, f"{where}[{i}]", path)
+
+
 def write_json(path: Path, doc: dict) -> None:
+    """Write ``doc`` as standard JSON (one line per entry of top-level dicts and per record).
+
+    Raises:
+        QuantkitError: a value is NaN or infinite (not JSON); the message names its key.
+    """
+    _check_finite(doc, "", path)
     Path(path).write_text(_dumps(doc) + "\n", encoding="utf-8")
 
 
-def _is_artifact_or_empty(path: Path) -> bool:
-    return not any(path.iterdir()) or (path / RECIPE_FILE).is_file()
+def _foreign_entries(path: Path) -> list[str]:
+    """Entries of ``path`` that quantkit does not write into an artifact directory."""
+    out = []
+    for entry in sorted(os.scandir(path), key=lambda e: e.name):
+        if entry.is_symlink():
+            out.append(entry.name)
+        elif entry.name in ARTIFACT_FILES and entry.is_file():
+            continue
+        elif entry.name in ARTIFACT_DIRS and entry.is_dir():
+            continue
+        else:
+            out.append(entry.name)
+    return out
+
+
+def _is_quantkit_json(path: Path) -> bool:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("format") == FORMAT
 
 
 def check_out_dir(path: str | os.PathLike, *, overwrite: bool, flag: str = "overwrite=True",
                   exists_error: type[QuantkitError] = QuantkitError) -> Path:
     """Check that ``path`` can be (re)written; returns it as a Path.
 
+    Only an empty directory or a quantkit artifact is ever replaced: ``quantization.json``
+    that is quantkit's, ``model.pt2``, and nothing but the files quantkit writes. First
+    cleans up after a writer of ``path`` that was killed (see ``quantkit._atomic.recover``).
+
     Raises:
-        QuantkitError: it exists and ``overwrite`` is False, it is a file, or it is a
-            non-empty directory that is not a quantkit artifact (never replaced).
+        QuantkitError: it exists and ``overwrite`` is False (``exists_error``), it is a file
+            or a link, or it is a directory that is not empty and not a quantkit artifact.
     """
     path = Path(path)
+    _atomic.recover(path)
     if path.exists() or path.is_symlink():
         if not path.is_dir() or path.is_symlink():
             raise QuantkitError(f"output {str(path)!r} exists and is not a directory; choose another output path")
         if not overwrite:
             raise exists_error(f"output directory {str(path)!r} already exists; pass {flag} to replace it")
-        if not _is_artifact_or_empty(path):
-            raise QuantkitError(
-                f"output directory {str(path)!r} is not empty and holds no {RECIPE_FILE}; "
-                "refusing to replace it, choose another output path"
-            )
+        entries = sorted(os.listdir(path))
+        if not entries:
+            return path
+        if not (path / RECIPE_FILE).is_file() or not (path / MODEL_FILE).is_file():
+            raise QuantkitError(f"output directory {str(path)!r} is not empty and holds no {MODEL_FILE} and "
+                                f"{RECIPE_FILE}; refusing to replace it, choose another output path")
+        if not _is_quantkit_json(path / RECIPE_FILE):
+            raise QuantkitError(f"output directory {str(path)!r} holds a {RECIPE_FILE} that is not quantkit's; "
+                                "refusing to replace it, choose another output path")
+        foreign = _foreign_entries(path)
+        if foreign:
+            raise QuantkitError(f"output directory {str(path)!r} also holds {', '.join(map(repr, foreign[:3]))}"
+                                f"{' ...' if len(foreign) > 3 else ''}, which quantkit did not write; refusing to "
+                                "replace it, move them or choose another output path")
     return path
+
+
+def _seal(directory: Path) -> None:
+    """Record the SHA-256 of ``model.pt2`` in ``quantization.json`` (when both are quantkit's)."""
+    model, recipe = directory / MODEL_FILE, directory / RECIPE_FILE
+    if not (model.is_file() and recipe.is_file()):
+        return
+    doc = read_json(recipe)
+    if doc.get("format") != FORMAT:
+        return
+    digest = file_sha256(model)
+    if doc.get("model_sha256") != digest:
+        write_json(recipe, {**doc, "model_sha256": digest})
 
 
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike, *, overwrite: bool = False, flag: str = "overwrite=True") -> Iterator[Path]:
     """Yield a fresh temporary directory beside ``path``; on success it replaces ``path``.
 
-    On any error (or Ctrl-C) the temporary directory, and any parent directories this
-    created, are removed and ``path`` is left as it was.
+    Before the swap, the SHA-256 of ``model.pt2`` is written into ``quantization.json``.
+    The previous ``path`` stays in place until the new one is complete and is swapped out
+    in one step (``renameat2(RENAME_EXCHANGE)`` on Linux). On any error, Ctrl-C or SIGTERM
+    the temporary directory (and any parent directories this created) is removed and
+    ``path`` is left as it was; a writer killed outright is cleaned up by the next write.
     """
     path = check_out_dir(path, overwrite=overwrite, flag=flag).absolute()
-    created = []
-    parent = path.parent
-    while not parent.exists():
-        created.append(parent)
-        parent = parent.parent
-    for p in reversed(created):
-        p.mkdir()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result is an ordinary directory
-    try:
+    with _atomic.atomic_dir(path, before_commit=_seal,
+                            check=lambda: check_out_dir(path, overwrite=overwrite, flag=flag)) as tmp:
         yield tmp
-        check_out_dir(path, overwrite=overwrite, flag=flag)  # it may have appeared meanwhile
-        if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-            os.replace(path, old / path.name)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for p in created:
-            with contextlib.suppress(OSError):
-                p.rmdir()
-        raise
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def verify_artifact(path: str | os.PathLike) -> dict:
+    """Check an artifact directory without loading the model; returns its ``quantization.json``.
+
+    Checks that both files exist, that ``quantization.json`` is quantkit's, that ``model.pt2``
+    has the SHA-256 recorded there, and that ``model.pt2`` holds nothing quantkit refuses to
+    load (pickled objects, code).
+
+    Raises:
+        QuantkitError: one line saying what is wrong.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise QuantkitError(f"{str(path)!r} is not a directory; pass a directory written by quantkit")
+    if not (path / RECIPE_FILE).is_file() or not (path / MODEL_FILE).is_file():
+        raise QuantkitError(f"{str(path)!r} has no {MODEL_FILE} and {RECIPE_FILE}; it is not a quantkit artifact")
+    doc = read_json(path / RECIPE_FILE)
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise QuantkitError(f"{str(path / RECIPE_FILE)!r} is not a quantkit quantization.json")
+    _check_digest(path / MODEL_FILE, doc)
+    _safe_pt2.check_archive(path / MODEL_FILE).zf.close()
+    return doc
+
+
+def _check_digest(model_file: Path, doc: dict) -> None:
+    expected = doc.get("model_sha256")
+    if expected is None:  # written before quantkit recorded it
+        return
+    if not isinstance(expected, str) or file_sha256(model_file) != expected.lower():
+        raise QuantkitError(f"{str(model_file)!r} was modified or truncated after it was written (its SHA-256 "
+                            f"does not match {RECIPE_FILE}); re-create the artifact")
 
 
 def save(converted: torch.nn.Module, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """Save a converted model as a deployable directory.
 
     The directory holds ``model.pt2`` (``torch.export.save`` of the converted program,
-    int8 weights) and ``quantization.json`` (per-tensor scales and zero points, versions).
-    It is written beside ``path`` and renamed into place, so a failure leaves nothing.
+    int8 weights) and ``quantization.json`` (per-tensor scales and zero points, versions,
+    the SHA-256 of ``model.pt2``). It is written beside ``path`` and swapped into place,
+    so a failure leaves nothing (and, with ``overwrite``, the previous artifact intact).
+    The batch dimension stays dynamic whatever the example's batch size was. A model
+    returned by :func:`load` can be saved again.
 
     Args:
-        converted: the output of :func:`quantkit.convert` or :func:`quantkit.quantize`.
+        converted: the output of :func:`quantkit.convert`, :func:`quantkit.quantize` or
+            :func:`quantkit.load`.
         path: the directory to create.
-        overwrite: replace ``path`` if it already holds a quantkit artifact.
+        overwrite: replace ``path`` if it is empty or holds a quantkit artifact (and nothing else).
 
     Returns:
         ``path`` as a ``Path``.
@@ -273,21 +423,29 @@ def save(converted: torch.nn.Module, path: str | os.PathLike, *, overwrite: bool
     """
     check_out_dir(path, overwrite=overwrite)
     program = export_converted(converted)
+    doc = converted.meta.get(RECIPE_META_KEY) if PROGRAM_META_KEY in converted.meta else None
+    doc = {k: v for k, v in doc.items() if k != "model_sha256"} if doc else recipe_document(converted)
     with atomic_dir(path, overwrite=overwrite) as tmp:
         write_program(program, tmp)
-        write_json(tmp / RECIPE_FILE, recipe_document(converted))
+        write_json(tmp / RECIPE_FILE, doc)
     return Path(path)
 
 
 def load(path: str | os.PathLike) -> torch.nn.Module:
     """Load a directory written by :func:`quantkit.save` (or ``quantkit quantize``).
 
+    ``model.pt2`` is read without unpickling or running anything from it: archives that
+    hold pickled objects, compiled code or code-like names are refused. When
+    ``quantization.json`` is there, ``model.pt2`` must match the SHA-256 it records.
+
     Returns:
-        The int8 model as a callable ``torch.nn.Module`` (``ExportedProgram.module()``);
-        for the ``ExportedProgram`` itself use ``torch.export.load(path / "model.pt2")``.
+        The int8 model as a callable ``torch.nn.Module`` (``ExportedProgram.module()``). Its
+        ``meta["quantkit_program"]`` is the ``ExportedProgram`` and ``meta["quantkit_recipe"]``
+        the ``quantization.json`` document (None without one); :func:`save` writes them again.
 
     Raises:
-        QuantkitError: the directory or its ``model.pt2`` is missing or unreadable.
+        QuantkitError: the directory or its ``model.pt2`` is missing, unreadable, modified,
+            or holds something quantkit does not load.
     """
     path = Path(path)
     if not path.is_dir():
@@ -295,34 +453,10 @@ def load(path: str | os.PathLike) -> torch.nn.Module:
     model_file = path / MODEL_FILE
     if not model_file.is_file():
         raise QuantkitError(f"{str(path)!r} has no {MODEL_FILE}; it is not a quantkit artifact")
-    with _captured_logs("torch.export") as logged:
-        try:
-            program = torch.export.load(str(model_file))
-        except Exception as exc:  # corrupt zip, unknown ops, version skew
-            # torch.export logs the cause as a warning with a traceback; keep its last line
-            cause = next((ln.strip() for r in reversed(logged) for ln in reversed(r.getMessage().splitlines())
-                          if ln.strip()), _one_line(exc))
-            raise QuantkitError(f"could not load {str(model_file)!r}: {cause}") from exc
+    doc = verify_artifact(path) if (path / RECIPE_FILE).is_file() else None
+    program = _safe_pt2.load_program(model_file)
     module = program.module()
     module.meta["quantkit_converted"] = True  # a q/dq graph: quantkit.compile accepts it
+    module.meta[PROGRAM_META_KEY] = program
+    module.meta[RECIPE_META_KEY] = doc
     return module
-
-
-@contextlib.contextmanager
-def _captured_logs(name: str):
-    """Collect (instead of print) the records of logger ``name`` and its children."""
-    records: list[logging.LogRecord] = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-
-    logger = logging.getLogger(name)
-    handler, propagate = _Keep(), logger.propagate
-    logger.addHandler(handler)
-    logger.propagate = False
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
-        logger.propagate = propagate

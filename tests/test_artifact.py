@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -33,6 +34,7 @@ def test_saved_files(tmp_path):
     assert sorted(p.name for p in path.iterdir()) == ["model.pt2", "quantization.json"]
     doc = json.loads((path / "quantization.json").read_text())
     assert doc["format"] == "quantkit-int8" and doc["format_version"] == 1
+    assert doc["model_sha256"] == hashlib.sha256((path / "model.pt2").read_bytes()).hexdigest()
     weights = [t for t in doc["tensors"] if t["kind"] == "weight"]
     assert len(weights) == 3 and all(len(t["scale"]) == t_out for t, t_out in zip(weights, (128, 128, 32)))
     # scales are written with float32 precision
@@ -74,8 +76,11 @@ def test_load_errors(tmp_path):
         quantkit.load(tmp_path)
 
 
-def test_loaded_model_can_be_saved_only_from_convert(tmp_path):
+def test_a_graph_without_capture_record_or_program_cannot_be_saved(tmp_path):
     qmodel, _ = _quantized(make_mlp)
-    loaded = quantkit.load(quantkit.save(qmodel, tmp_path / "a"))
+    path = quantkit.save(qmodel, tmp_path / "a")
+    gm = torch.export.load(str(path / "model.pt2")).module()  # not through quantkit.load: no program kept
+    gm.meta["quantkit_converted"] = True
     with pytest.raises(quantkit.QuantkitError, match="no capture record"):
-        quantkit.save(loaded, tmp_path / "b")
+        quantkit.save(gm, tmp_path / "b")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
