@@ -152,11 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings(), (contextlib.nullcontext() if debug else _quiet_torch_logs()):
         if not debug:
             warnings.simplefilter("ignore")
+        from ._atomic import Terminated, sigterm_as_interrupt
+
         try:
-            return _run(args)
-        except KeyboardInterrupt:
-            print("quantkit: interrupted", file=sys.stderr)
-            return 130
+            with sigterm_as_interrupt(redeliver=False):  # SIGTERM cleans up like Ctrl-C
+                return _run(args)
+        except KeyboardInterrupt as exc:
+            sigterm = isinstance(exc, Terminated)
+            print(f"quantkit: interrupted{' (SIGTERM)' if sigterm else ''}", file=sys.stderr)
+            return 143 if sigterm else 130
         except Exception as exc:
             if debug:
                 raise
