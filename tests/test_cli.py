@@ -204,14 +204,14 @@ def test_force_replaces_an_artifact_and_keeps_it_on_failure(mlp_inputs, tmp_path
     weights, calib = mlp_inputs
     out = tmp_path / "mlp-int8"
     assert main(_factory_args(weights, calib, out)) == 0
-    (out / "marker").write_text("old")
+    (out / "report.md").write_text("old")  # an artifact file: the old run's report
     blank = tmp_path / "blank.txt"
     blank.write_text("\n\n")
     # a failing --force run leaves the old artifact as it was
     assert main(_factory_args(weights, blank, out, "--force")) == 1
-    assert (out / "marker").exists()
+    assert (out / "report.md").read_text() == "old"
     assert main(_factory_args(weights, calib, out, "--force", "--skip", "fc3")) == 0
-    assert not (out / "marker").exists()
+    assert (out / "report.md").read_text() != "old"
     rep = json.loads((out / "report.json").read_text())
     assert rep["recipe"]["skip"] == ["fc3"]
     assert [r["weight"] for r in rep["layers"]][-1] == "float"
