@@ -201,9 +201,9 @@ class PlaceholderObserver(QuantkitObserver):
     last dimension; ``granularity`` says which).
 
     ``eps`` is a float here, as on torchao's ``PlaceholderObserver``: it is written into
-    the converted graph as a literal. The observer converts itself (:meth:`convert`, the
-    hook torchao's ``convert_pt2e`` calls), so quantkit's and torchao's convert emit the
-    same ops, per-token ones included.
+    the converted graph as a literal. Under torchao's ``convert_pt2e`` the observer converts
+    itself (:meth:`convert`) with the ops ``quantkit.convert`` emits; per-token observers
+    convert with ``quantkit.convert`` only.
     """
 
     def __init__(self, dtype=torch.int8, qscheme=torch.per_tensor_symmetric,
@@ -239,13 +239,20 @@ class PlaceholderObserver(QuantkitObserver):
 
     def convert(self, model: torch.fx.GraphModule, observer_node: torch.fx.Node) -> None:
         """Replace ``observer_node`` in ``model`` with run-time choose-qparams, quantize and
-        dequantize ops (torchao's ``convert_pt2e`` calls this hook; so does quantkit's)."""
+        dequantize ops: the hook torchao's ``convert_pt2e`` calls (``quantkit.convert``
+        emits the same ops itself).
+
+        Raises:
+            ConvertError: for per-token observers, which torchao's ``convert_pt2e`` cannot
+                express (its metadata pass knows only per-tensor ``choose_qparams``).
+        """
         from quantkit._convert import emit_dynamic
 
-        if not self.is_dynamic:
+        if self.per_token:
+            where = self.node_name if self.node_name != "<unattached>" else observer_node.args[0].name
             raise ConvertError(
-                f"observer at node '{self.node_name}' has is_dynamic=False but records no ranges; "
-                "use it for dynamic quantization only"
+                f"per-token dynamic quantization (node '{where}') cannot go through torchao's convert_pt2e, "
+                "which knows only per-tensor choose_qparams; convert with quantkit.convert"
             )
         out = emit_dynamic(model.graph, observer_node, self)
         observer_node.replace_all_uses_with(out)

@@ -101,8 +101,11 @@ def calibrate(prepared: GraphModule, data: Iterable, *, progress: bool = True,
         CalibrationError: no batches, NaN/inf activations (the message names the node),
             or a batch whose shape the captured graph cannot take.
     """
-    if not isinstance(prepared, GraphModule) or not prepared.meta.get("quantkit_prepared", False):
-        raise TypeError("calibrate expects a model returned by quantkit.prepare")
+    from ._prepare import is_observer_module
+
+    if not isinstance(prepared, GraphModule) or not (
+            prepared.meta.get("quantkit_prepared", False) or any(is_observer_module(m) for m in prepared.modules())):
+        raise TypeError("calibrate expects a model returned by quantkit.prepare (or torchao's prepare_pt2e)")
     seen = run_batches(prepared, data, progress=progress, max_batches=max_batches,
                        desc="calibrating", what="calibration", skip_padding=skip_padding)
     if seen == 0:

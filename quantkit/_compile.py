@@ -19,6 +19,13 @@ LOWERING_META_KEY = "quantkit_lowering"
 CPU_KERNELS = ("auto", "onednn", "reference")
 
 
+def _has_qdq(gm: GraphModule) -> bool:
+    """Whether ``gm`` holds quantized_decomposed dequantize ops (a q/dq graph, e.g. torchao's)."""
+    from ._convert import DEQUANTIZE_OPS
+
+    return any(n.op == "call_function" and n.target in DEQUANTIZE_OPS for n in gm.graph.nodes)
+
+
 def _device_type(gm: GraphModule) -> str:
     devices = {t.device.type for t in list(gm.buffers()) + list(gm.parameters())}
     if len(devices) > 1:
@@ -38,7 +45,8 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", **torch_compil
     and the compiled module is new.
 
     Args:
-        converted: the GraphModule returned by ``quantkit.convert``.
+        converted: the GraphModule returned by ``quantkit.convert`` (or any q/dq graph of
+            ``quantized_decomposed`` ops, e.g. torchao's ``convert_pt2e`` result).
         cpu_kernels: ``"auto"`` uses oneDNN int8 where it is exact -- on VNNI / AMX CPUs, or
             on any x86 CPU when every linear/conv activation is 7-bit
             (``QuantConfig(activation="affine-uint7")``) -- and otherwise compiles the
@@ -56,9 +64,10 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", **torch_compil
         >>> fast = quantkit.compile(quantkit.convert(prepared))
         >>> y = fast(x)
     """
-    if not isinstance(converted, GraphModule) or not converted.meta.get("quantkit_converted"):
+    if not isinstance(converted, GraphModule) or not (converted.meta.get("quantkit_converted") or _has_qdq(converted)):
         raise TypeError(
-            f"compile expects the GraphModule returned by quantkit.convert, got {type(converted).__name__}"
+            f"compile expects the GraphModule returned by quantkit.convert (or torchao's convert_pt2e), "
+            f"got {type(converted).__name__}"
         )
     if cpu_kernels not in CPU_KERNELS:
         raise ValueError(f"unknown cpu_kernels {cpu_kernels!r}; use one of {list(CPU_KERNELS)}")

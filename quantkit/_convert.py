@@ -141,9 +141,9 @@ class _Converter:
             self.records.append({"node": getattr(obs, "node_name", node.name),
                                  "kind": "dynamic-per-token" if _per_token(obs) else "dynamic",
                                  "dtype": str(underlying_dtype(obs.dtype)).replace("torch.", "")})
-        if hasattr(obs, "convert"):
-            # torchao's protocol: an observer that knows its own ops (quantkit's dynamic
-            # PlaceholderObserver, torchao's affine/group-wise observers) rewrites its node
+        if hasattr(obs, "convert") and not getattr(obs, "is_dynamic", False):
+            # torchao's protocol: an observer that knows its own ops (torchao's affine and
+            # group-wise observers) rewrites its node
             obs.convert(self.gm, node)
             return
         src = node.args[0]

@@ -1,0 +1,153 @@
+"""Interop with torchao's PT2E flow: {static, dynamic, per-token} x {W8A8Quantizer,
+X86InductorQuantizer} x {quantkit prepare/convert, torchao prepare_pt2e/convert_pt2e}.
+
+Where torchao can run a combination, both flows must give the same model (max abs diff
+<= 1e-6 on the same inputs after the same calibration, and the same q/dq op counts).
+Combinations torchao cannot express are listed with the reason in their test ids.
+"""
+
+import collections
+import copy
+import functools
+import warnings
+
+import pytest
+import torch
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
+    X86InductorQuantizer,
+    get_default_x86_inductor_quantization_config,
+)
+
+import quantkit
+from quantkit._qmath import sqnr
+from quantkit.quantizers import QuantConfig, W8A8Quantizer
+from tests.models import make_transformer
+
+SCHEMES = {
+    "static": {},
+    "dynamic": {"dynamic": True},
+    "per-token": {"dynamic": True, "granularity": "per-token"},
+}
+
+
+def _w8a8(scheme):
+    return W8A8Quantizer(QuantConfig(**SCHEMES[scheme]))
+
+
+def _x86(scheme):
+    assert scheme != "per-token"
+    return X86InductorQuantizer().set_global(get_default_x86_inductor_quantization_config(is_dynamic=scheme == "dynamic"))
+
+
+QUANTIZERS = {"w8a8": _w8a8, "x86": _x86}
+
+CASES = [
+    pytest.param("static", "w8a8", id="static-w8a8"),
+    pytest.param("static", "x86", id="static-x86"),
+    pytest.param("dynamic", "w8a8", id="dynamic-w8a8"),
+    pytest.param("dynamic", "x86", id="dynamic-x86"),
+    pytest.param("per-token", "w8a8", id="per-token-w8a8"),
+    pytest.param("per-token", "x86", id="per-token-x86-not-applicable",
+                 marks=pytest.mark.skip(reason="not applicable: X86InductorQuantizer has no per-token mode")),
+]
+
+
+@functools.lru_cache(maxsize=1)
+def _captured():
+    model, x = make_transformer(d=32)  # linears and attention matmuls
+    x = x[:16]
+    return model, quantkit.capture(model, (x[:4],)), x
+
+
+def _data():
+    """The float model, a fresh copy of its captured graph, inputs and calibration batches."""
+    model, gm, x = _captured()
+    return model, copy.deepcopy(gm), x, [(b,) for b in x.split(8)]
+
+
+def _quantkit_flow(gm, calib, quantizer):
+    prepared = quantkit.prepare(gm, quantizer)
+    quantkit.calibrate(prepared, calib, progress=False)
+    return quantkit.convert(prepared)
+
+
+def _torchao_flow(gm, calib, quantizer, *, calibrate=None, convert=convert_pt2e):
+    prepared = prepare_pt2e(copy.deepcopy(gm), quantizer)  # prepare_pt2e rewrites its input
+    if calibrate is None:
+        with torch.no_grad():
+            for (b,) in calib:
+                prepared(b)
+    else:
+        calibrate(prepared, calib, progress=False)
+    return convert(prepared)
+
+
+def _qdq_counts(gm):
+    return collections.Counter(str(n.target) for n in gm.graph.nodes
+                               if n.op == "call_function" and "quantized_decomposed" in str(n.target))
+
+
+def _max_diff(a, b, x):
+    with torch.no_grad():
+        return (a(x) - b(x)).abs().max().item()
+
+
+@pytest.mark.parametrize("scheme,quantizer", CASES)
+def test_quantkit_and_torchao_flows_agree(scheme, quantizer):
+    model, gm, x, calib = _data()
+    ours = _quantkit_flow(gm, calib, QUANTIZERS[quantizer](scheme))
+    with torch.no_grad():
+        assert sqnr(model(x), ours(x)) >= 30
+    if scheme == "per-token":
+        # torchao's convert_pt2e has no per-token choose_qparams: a one-line error says so
+        with pytest.raises(quantkit.ConvertError) as info:
+            _torchao_flow(gm, calib, QUANTIZERS[quantizer](scheme))
+        msg = str(info.value)
+        assert "\n" not in msg and "per-token" in msg and "convert_pt2e" in msg and "quantkit.convert" in msg
+        return
+    theirs = _torchao_flow(gm, calib, QUANTIZERS[quantizer](scheme))
+    diff = _max_diff(ours, theirs, x)
+    assert diff <= 1e-6, f"{scheme}/{quantizer}: max abs diff {diff:.3g} between quantkit and torchao"
+    assert _qdq_counts(ours) == _qdq_counts(theirs)
+    if scheme == "dynamic":
+        chooses = sum(v for k, v in _qdq_counts(ours).items() if "choose_qparams" in k)
+        assert chooses > 0
+
+
+@pytest.mark.parametrize("scheme", ["static", "dynamic"])
+@pytest.mark.parametrize("quantizer", ["w8a8", "x86"])
+def test_torchao_prepared_graph_through_quantkit_calibrate_and_convert(scheme, quantizer):
+    _, gm, x, calib = _data()
+    mixed = _torchao_flow(gm, calib, QUANTIZERS[quantizer](scheme), calibrate=quantkit.calibrate, convert=quantkit.convert)
+    theirs = _torchao_flow(gm, calib, QUANTIZERS[quantizer](scheme))
+    diff = _max_diff(mixed, theirs, x)
+    assert diff <= 1e-6, f"{scheme}/{quantizer}: max abs diff {diff:.3g}"
+    assert _qdq_counts(mixed) == _qdq_counts(theirs)
+
+
+def test_quantkit_compile_accepts_a_torchao_converted_graph():
+    # symmetric int8 activations: quantkit's oneDNN pre-pass must shift each of them to uint8;
+    # the eager backend runs the lowered graph as it is, so it must equal the reference exactly
+    _, gm, x, calib = _data()
+    quantizer = W8A8Quantizer(QuantConfig(activation="symmetric-int8", ops=frozenset({"linear"})))
+    theirs = _torchao_flow(gm, calib, quantizer)
+    n_quantize = _qdq_counts(theirs)["quantized_decomposed.quantize_per_tensor.default"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the oneDNN saturation warning on CPUs without VNNI
+        fast = quantkit.compile(theirs, cpu_kernels="onednn", backend="eager")
+    assert fast._orig_mod.meta["quantkit_lowering"]["int8_to_uint8"] == n_quantize > 0
+    with torch.no_grad():
+        assert torch.equal(fast(x), theirs(x))
+
+
+def test_compile_refuses_a_graph_without_quantization():
+    _, gm, _, _ = _data()
+    with pytest.raises(TypeError, match="returned by quantkit.convert .or torchao's convert_pt2e"):
+        quantkit.compile(gm)
+
+
+def test_calibrate_refuses_a_graph_without_observers():
+    _, gm, _, calib = _data()
+    with pytest.raises(TypeError, match="returned by quantkit.prepare .or torchao's prepare_pt2e"):
+        quantkit.calibrate(gm, calib, progress=False)
