@@ -5,6 +5,7 @@ Run from the repository root:
 
     python benchmarks/bench_observers.py            # everything, prints a Markdown section
     python benchmarks/bench_observers.py --no-model # synthetic tensors only
+    python benchmarks/bench_observers.py --kl-only --kl-seeds 40  # KL against TensorRT only
 
 All timings of one table come from the same run on the same tensors (ratios side by
 side). Threads default to 1: on a shared 2-core machine, intra-op threads make small
@@ -40,11 +41,14 @@ import quantkit  # noqa: E402
 from quantkit import _hf  # noqa: E402
 from quantkit.observers import HistogramObserver  # noqa: E402
 from quantkit.observers import _histsearch as hs  # noqa: E402
+from quantkit.observers import _rangesearch as rs  # noqa: E402
 from quantkit.quantizers import QuantConfig, W8A8Quantizer  # noqa: E402
 from tests.observers._reference import (  # noqa: E402
-    kl_threshold_reference,
     mse_amax_torch_loop,
     mse_threshold_reference,
+    sample,
+    tensorrt_entropy_amax,
+    tensorrt_entropy_bin,
 )
 
 SYM = dict(dtype=torch.int8, qscheme=torch.per_tensor_symmetric)
@@ -81,7 +85,9 @@ def _activations(batches: int, seed: int = 0) -> list[torch.Tensor]:
 
 
 def bench_update(xs) -> list[str]:
-    ours = {"affine": HistogramObserver(**AFF), "symmetric": HistogramObserver(**SYM)}
+    ours = {"affine": HistogramObserver(**AFF), "symmetric": HistogramObserver(**SYM),
+            "kl, affine (131072 bins)": HistogramObserver(method="kl", **AFF),
+            "kl, symmetric (131072 bins)": HistogramObserver(method="kl", **SYM)}
     theirs = TorchaoHistogram(bins=2048)
     per = {name: [] for name in ("torchao", *ours)}
     for x in xs:
@@ -117,9 +123,11 @@ def bench_search(xs) -> list[str]:
             ref = ""
             if scheme_name == "symmetric" and method in ("kl", "mse"):
                 lo, hi = float(obs.min_val), float(obs.max_val)
-                if method == "kl":
-                    h, _ = hs.kl_histogram(obs.histogram, lo, hi, True)
-                    ref_fn = lambda: kl_threshold_reference(h.numpy(), 128)  # noqa: E731
+                if method == "kl":  # TensorRT's loop on the 2048 |x| bins the search runs on
+                    h, h_lo, h_hi = obs.occupied_bins()
+                    view, z, _ = hs.kl_view(rs.host(h), h_lo, h_hi, lo, hi, obs.bins)
+                    ah = hs.abs_view(view, z, obs.bins)
+                    ref_fn = lambda: tensorrt_entropy_bin(ah)  # noqa: E731
                 else:
                     ah, amax = hs.abs_histogram(obs.histogram[None], obs.min_val.double().view(1),
                                                 obs.max_val.double().view(1))
@@ -131,6 +139,26 @@ def bench_search(xs) -> list[str]:
                     ref += f"; torch loop: {t_loop / t:.0f}× faster ({t_loop:.3f} s)"
             rows.append(f"| {method} | {scheme_name} | {t * 1e3:.2f} ms | {t_torchao / t:.1f}× faster | {ref} |")
     rows.append(f"| torchao HistogramObserver (L2, greedy) | affine | {t_torchao * 1e3:.1f} ms | 1.0× | |")
+    return rows
+
+
+def bench_kl_fidelity(seeds: int, n: int = 200_000) -> list[str]:
+    """The KL observer's threshold (symmetric int8, data in 4 batches) against TensorRT's
+    entropy calibration run on the raw values (``tensorrt_entropy_amax``), per seed."""
+    rows = ["| distribution | seeds | within 3% of TensorRT | median deviation | worst deviation |", "|---|---:|---:|---:|---:|"]
+    for dist in ("gaussian", "laplace", "student_t"):
+        errs = []
+        for seed in range(seeds):
+            x = sample(dist, n, seed)
+            trt = tensorrt_entropy_amax(x.numpy())
+            obs = HistogramObserver(method="kl", **SYM)
+            for c in x.chunk(4):
+                obs(c)
+            errs.append(abs(float(obs._min_max()[1]) - trt) / trt)
+        within = sum(e <= 0.03 for e in errs)
+        rows.append(f"| {dist} | {seeds} | {within}/{seeds} | {100 * statistics.median(errs):.2f}% "
+                    f"| {100 * max(errs):.1f}% |")
+        print(rows[-1], file=sys.stderr)
     return rows
 
 
@@ -190,14 +218,23 @@ def main(argv=None) -> None:
                     help="MiniLM batches padded to --seq-len, or to their longest sentence "
                          "(dynamic sequence length, as `quantkit quantize` does)")
     ap.add_argument("--skip-synthetic", action="store_true", help="only the all-MiniLM-L6-v2 part")
+    ap.add_argument("--kl-seeds", type=int, default=10, help="seeds per distribution for the KL-vs-TensorRT table")
+    ap.add_argument("--kl-only", action="store_true", help="only the KL-vs-TensorRT table")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = ["## Calibration observers (issue 3)", "",
            f"Machine: {_machine()}. Date: {datetime.date.today()}.",
            f"Command: `python benchmarks/bench_observers.py {' '.join(sys.argv[1:] if argv is None else argv)}`.", ""]
+    if args.kl_only or not args.skip_synthetic:
+        out += [f"### KL threshold vs TensorRT's entropy calibrator ({args.kl_seeds} seeds, 200k samples)", ""]
+        out += bench_kl_fidelity(args.kl_seeds)
+        out += [""]
+    if args.kl_only:
+        print("\n".join(out))
+        return
     if not args.skip_synthetic:
         xs = _activations(args.batches)
-        out += [f"### Histogram update ({args.batches} batches of 32×128×384 float32, 2048 bins)", ""]
+        out += [f"### Histogram update ({args.batches} batches of 32×128×384 float32, 2048 bins; KL 64x finer)", ""]
         out += bench_update(xs)
         out += ["", "### Range search + qparams (same histograms, 2048 bins)", ""]
         out += bench_search(xs)

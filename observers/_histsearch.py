@@ -1,18 +1,21 @@
 """Histogram plumbing and the KL and percentile range searches: rebinning, the ``|x|``
-histogram, TensorRT-style KL entropy, percentiles. (The MSE and L2 searches are in
-:mod:`._rangesearch`.)
+histogram, TensorRT's entropy calibration (KL), percentiles. (The MSE and L2 searches
+are in :mod:`._rangesearch`.)
 
 Everything here is vectorised over candidates: a search evaluates a whole grid of
-candidate ranges in a few tensor operations, never one candidate at a time in Python.
-Histograms are ``[B, n]`` float64 tensors (``B`` = 1 per tensor, ``C`` per channel)
-with one equal-width range ``[lo, hi]`` per row; counts are assumed uniform within a
-bin (the usual histogram model, also torchao's).
+candidate ranges in a few array operations, never one candidate at a time in Python.
+The torch helpers take ``[B, n]`` float64 histograms (``B`` = 1 per tensor, ``C`` per
+channel) with one equal-width range ``[lo, hi]`` per row; counts are assumed uniform
+within a bin (the usual histogram model, also torchao's). The KL search runs in NumPy
+on the host, as :mod:`._rangesearch` does (a few dozen small operations per search).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+import math
 
+import numpy as np
 import torch
 
 from quantkit._qmath import is_symmetric
@@ -20,18 +23,16 @@ from quantkit._qmath import is_symmetric
 __all__ = [
     "rebin",
     "abs_histogram",
-    "kl_divergence",
     "percentile_range",
-    "kl_histogram",
+    "KL_START_BIN",
+    "kl_view",
+    "abs_view",
+    "kl_divergence",
+    "search_abs_kl",
     "search_kl",
 ]
 
 _F64 = torch.float64
-# the affine KL search's coarse-to-fine grid, as (first offset, step, number of points)
-# in clip fractions: 0 .. 63/64 of each side, then windows one previous step wide on
-# either side of the best point so far, down to 1/2048 of the range (one bin at the
-# default 2048 bins). KL candidates cost O(1) each, so it starts from a fine grid.
-_STAGES_KL_2D = ((0, 1 / 64, 64), (-8, 1 / 512, 17), (-4, 1 / 2048, 9))
 
 
 # --- histogram plumbing -------------------------------------------------------------
@@ -80,180 +81,251 @@ def abs_histogram(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     return c.diff(dim=1), amax
 
 
-# --- objectives ---------------------------------------------------------------------
-def _xlogx(x: torch.Tensor) -> torch.Tensor:
-    return torch.where(x > 0, x * torch.log(torch.where(x > 0, x, 1.0)), 0.0)
+# --- KL: TensorRT's entropy calibration ------------------------------------------------
+# TensorRT's entropy calibrator as NVIDIA's pytorch-quantization implements it
+# (pytorch_quantization/calib/histogram.py, _compute_amax_entropy; the same loop as in the
+# GTC 2017 talk "8-bit Inference with TensorRT"): a histogram of |x| with 2048 bins over
+# [0, amax]; bin 0 takes bin 1's count; for every i from start_bin = 128 to 2048, P is the
+# first i bins with the mass of the rest added to bin i-1 and Q splits the first i bins
+# into 128 levels (bin b goes to level floor(b·128 / i): np.digitize on np.linspace(0, i,
+# 129)) and spreads each level's mass evenly over its non-zero bins; KL = entropy(P, Q)
+# (scipy: both normalised; inf where Q = 0 < P), and amax = the bin edge i·amax/2048 of
+# the last smallest divergence. No epsilon smoothing (MXNet's and ONNX Runtime's
+# calibrators smooth zeros; pytorch-quantization does not).
+KL_START_BIN = 128  # the narrowest window, in bins (TensorRT's start_bin)
+# the affine (both-sided) window search: a first grid of about _KL_GRID windows spread
+# over both ends in proportion to their lengths, then, around each of the _KL_STARTS best,
+# 9 x 9 windows at a quarter of the previous spacing down to one bin. A candidate costs
+# O(levels), so the grid is far coarser than the exhaustive |x| search.
+_KL_GRID = 1024
+_KL_STARTS = 3
 
 
-def _group_table(cum: torch.Tensor, nzc: torch.Tensor, max_per: int) -> torch.Tensor:
-    """``T[m−1, p] = Σ_{j≥1} v_m(p − j·m)`` with ``v_m(p) = G·log(G/nz)`` for the group of
-    ``m`` bins starting at ``p`` (G its mass, nz its non-zero bins): sums over groups
-    spaced ``m`` apart are differences of two entries. One row per group size."""
-    n = cum.shape[0] - 1
-    rows = []
-    for m in range(1, max_per + 1):  # group sizes (n // levels of them), not candidates
-        g = cum[m:] - cum[:-m]
-        z = nzc[m:] - nzc[:-m]
-        v = g * torch.log(torch.where(g > 0, g / torch.where(z > 0, z, 1.0), 1.0))
-        r = -(-(n + 1) // m) + 1
-        vp = torch.nn.functional.pad(v, (0, r * m - v.shape[0])).view(r, m)
-        rows.append((vp.cumsum(0) - vp).reshape(-1)[: n + 1])
-    return torch.stack(rows)
+def _xlogx(x: np.ndarray) -> np.ndarray:
+    return x * np.log(np.where(x > 0, x, 1.0))
+
+
+def kl_view(hist: np.ndarray, h_lo: float, h_hi: float, lo: float, hi: float,
+            bins: int) -> tuple[np.ndarray, int, float]:
+    """The data's histogram in TensorRT's bins: width ``W = amax / bins`` (``amax =
+    max(-lo, hi)``), aligned at 0, from the bin holding ``lo`` (or 0) to the bin holding
+    ``hi`` (or ``[0, W)``).
+
+    ``hist`` has equal bins over ``[h_lo, h_hi]``, much finer than ``W`` (the observer
+    keeps 64 per TensorRT bin). A fine bin's count is split between the new bins it
+    overlaps in proportion (uniform within the bin) and the cumulative counts at the new
+    edges are rounded to integers: dense bins get the proportional split to half a count,
+    and a sparse bin's few values stay whole, so empty bins stay empty as in a histogram
+    of the values themselves (TensorRT treats empty bins specially).
+
+    Returns:
+        ``(counts, z, W)``: ``counts[z]`` is the bin ``[0, W)``.
+    """
+    amax = max(-lo, hi)
+    w = amax / bins
+    n_neg = min(bins, math.ceil(-lo / w)) if lo < 0 else 0
+    n_pos = max(1, min(bins, math.ceil(hi / w))) if hi > 0 else 1
+    edges = np.arange(-n_neg, n_pos + 1) * w
+    n = hist.shape[0]
+    pos = np.clip((edges - h_lo) * (n / (h_hi - h_lo)), 0.0, n)
+    k = np.minimum(pos.astype(np.intp), n - 1)  # pos >= 0: truncation is floor
+    cum = np.concatenate(([0.0], np.cumsum(hist)))
+    c = np.rint(cum[k] + (pos - k) * hist[k])
+    c[0], c[-1] = 0.0, cum[-1]  # the edges span [lo, hi]: nothing below, everything in
+    return np.diff(c), n_neg, w
+
+
+def abs_view(view: np.ndarray, z: int, bins: int) -> np.ndarray:
+    """``|x|`` counts (``bins`` bins over ``[0, amax]``) from :func:`kl_view`'s counts:
+    bin ``[-(j+1)W, -jW)`` folds onto ``|x|`` bin ``j``."""
+    a = np.zeros(bins)
+    a[: view.shape[0] - z] += view[z:]
+    a[:z] += view[z - 1::-1] if z else 0.0
+    return a
 
 
 class _KLTables:
-    """The prefix sums :func:`kl_divergence` reads, built once per histogram (a search
-    evaluates several stages of candidates on the same histogram)."""
+    """Prefix sums of a histogram ``h`` and, for every group of ``m`` bins from bin ``p``,
+    ``V[m, p] = G·log(G / nz)`` (``G`` its mass, ``nz`` its non-zero bins; 0 if empty), so
+    that a candidate's divergence is a sum of ``levels`` look-ups. ``V`` rows are
+    ``stride`` wide: group ``(m, p)`` is entry ``m·stride + p``."""
 
-    def __init__(self, hist: torch.Tensor, levels: int) -> None:
-        pad = torch.nn.functional.pad
-        self.h = h = hist.to(_F64)
-        self.total = h.sum()
-        self.cum = pad(h.cumsum(0), (1, 0))
-        self.nzc = pad((h > 0).to(_F64).cumsum(0), (1, 0))
-        self.hlh = pad(_xlogx(h).cumsum(0), (1, 0))
-        # groups of up to n // levels bins: the widest window's
-        self.group = _group_table(self.cum, self.nzc, max(1, h.shape[0] // levels))
+    def __init__(self, h: np.ndarray, max_group: int, stride: int) -> None:
+        n = h.shape[0]
+        self.h, self.stride = h, stride
+        self.total = float(h.sum())
+        self.cum = np.concatenate(([0.0], np.cumsum(h)))
+        self.nzc = np.concatenate(([0.0], np.cumsum(h > 0)))
+        self.xl = _xlogx(h)
+        self.hlh = np.concatenate(([0.0], np.cumsum(self.xl)))
+        p = np.arange(n + 1)
+        m = np.arange(max_group + 1)[:, None]
+        end = np.minimum(p + m, n)
+        g = self.cum[end] - self.cum[p]
+        nz = self.nzc[end] - self.nzc[p]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            v = np.where(g > 0, g * np.log(g / np.maximum(nz, 1.0)), 0.0)
+        self.v = np.zeros((max_group + 1, stride))
+        self.v[:, : n + 1] = v
+        self.v = self.v.reshape(-1)
 
 
-def kl_divergence(hist: torch.Tensor, start: torch.Tensor, stop: torch.Tensor, levels: int,
-                  tables: _KLTables | None = None) -> torch.Tensor:
-    """KL(P‖Q) of each candidate window ``hist[start:stop]`` (TensorRT/MXNet entropy calibration).
+@functools.lru_cache(maxsize=4)
+def _group_index(levels: int, max_len: int, stride: int, dtype=np.intp) -> np.ndarray:
+    """``[max_len + 1, levels]``: row ``L`` holds the offsets into :class:`_KLTables`'s
+    ``V`` of the levels of a window of ``L`` bins starting at bin 0. Level ``g`` holds bins
+    ``ceil(g·L/levels) .. ceil((g+1)·L/levels) − 1`` (TensorRT's ``np.digitize`` on
+    ``np.linspace(0, L, levels + 1)``, in exact integer arithmetic). The same for every
+    histogram, so it is built once (2 MiB for the ``|x|`` search, 4 MiB for the affine one)."""
+    g = np.arange(levels + 1)
+    off = -((-g * np.arange(max_len + 1)[:, None]) // levels)
+    return (np.diff(off, axis=1) * stride + off[:, :-1]).astype(dtype)
 
-    P is the window with the mass left of it added to its first bin and the mass right
-    of it added to its last bin. Q quantizes the window (tails excluded) to ``levels``
-    levels: ``(stop − start) // levels`` bins per level, the last level takes the
-    remainder; each level's mass is spread evenly over its bins where P is non-zero.
-    Both are normalised; ``KL = Σ p·log(p/q)`` (``scipy.stats.entropy(P, Q)``).
 
-    With ``G_j`` the mass and ``nz_j`` the non-zero bins of level j,
-    ``KL = (Σ p·log p − Σ_j P_j·log(G_j/nz_j)) / N + log(Σ_j G_j / N)``. ``Σ p·log p`` comes
-    from a prefix sum; the levels strictly between the first and last are groups of
-    equal size ``m`` spaced ``m`` apart, whose sum is read from a strided prefix sum
-    per group size (:func:`_group_table`). So every candidate costs O(1) after an
-    O(bins²/levels) table.
+def kl_divergence(t: _KLTables, start: np.ndarray, stop: np.ndarray, levels: int,
+                  index: np.ndarray | None = None) -> np.ndarray:
+    """KL(P‖Q) of each candidate window ``h[start:stop]``, TensorRT's construction (see the
+    comment above :data:`KL_START_BIN`) with the mass left of the window added to its
+    first bin as the mass right of it is added to its last.
+
+    With ``G_g`` the mass and ``nz_g`` the non-zero bins of level ``g``, ``N`` the total
+    and ``I`` the window's mass: ``KL = (Σ P·log P − Σ_g P_g·log(G_g/nz_g)) / N +
+    log(I / N)`` where ``P_g`` is ``G_g`` plus the tails in the end levels. ``Σ P·log P``
+    comes from a prefix sum, each level's term from :class:`_KLTables`.
 
     Args:
-        hist: ``[n]`` counts.
-        start, stop: ``[K]`` integer bin indices with ``stop − start ≥ levels``.
-        tables: :class:`_KLTables` of ``hist`` for ``levels``, to reuse across calls.
+        t: tables of the histogram (``max_group >= ceil(max(stop − start) / levels)``).
+        start, stop: ``[K]`` bin indices, ``stop − start >= 2``.
+        index: the rows ``stop − start`` of ``_group_index(levels, ·, t.stride)`` if
+            already at hand.
 
     Returns:
-        ``[K]`` divergences (``inf`` where Q is zero but P is not).
+        ``[K]`` divergences (``inf`` where Q is 0 and P is not: a tail folded onto an
+        empty end bin, or an empty window).
     """
-    t = tables if tables is not None else _KLTables(hist, levels)
-    h, total, cum, nzc, hlh, table = t.h, t.total, t.cum, t.nzc, t.hlh, t.group
-    left = cum[start]
-    right = total - cum[stop]
-    per = (stop - start) // levels
-    first_end = start + per
-    last_start = start + (levels - 1) * per
-    row = (per - 1) * table.shape[1]
-    flat = table.view(-1)
-    middle = flat[row + last_start] - flat[row + first_end]
-    # first and last levels: P also holds the tails there, so a bin can be non-zero in P
-    # where h is 0
-    g0 = cum[first_end] - cum[start]
-    z0 = nzc[first_end] - nzc[start] + ((h[start] == 0) & (left > 0)).to(_F64)
-    g1 = cum[stop] - cum[last_start]
-    z1 = nzc[stop] - nzc[last_start] + ((h[stop - 1] == 0) & (right > 0)).to(_F64)
-
-    def term(p, g, z):
-        # P > 0 with G = 0 gives log(0) = -inf: Q is zero where P is not, KL = inf
-        return torch.where(p > 0, p * torch.log(g / torch.where(z > 0, z, 1.0)), 0.0)
-
-    cross = middle + term(g0 + left, g0, z0) + term(g1 + right, g1, z1)
-    plogp = hlh[stop - 1] - hlh[start + 1] + _xlogx(h[start] + left) + _xlogx(h[stop - 1] + right)
-    inside = cum[stop] - cum[start]
-    kl = (plogp - cross) / total + torch.log(inside / total)
-    return torch.nan_to_num(kl, nan=float("inf"), posinf=float("inf"))
+    h, cum, nzc = t.h, t.cum, t.nzc
+    length = stop - start
+    if index is None:
+        index = _group_index(levels, t.stride - 1, t.stride, np.int32)[length]
+    cross = t.v.take(index + start[:, None] if start.any() else index).sum(1)
+    left, right = cum[start], t.total - cum[stop]
+    # the levels holding the first and the last bin: P holds the tails there
+    first_end = start - ((-length) // levels)  # start + ceil(L / levels)
+    g_last = ((length - 1) * levels) // length
+    a = start - ((-g_last * length) // levels)
+    b = start - ((-(g_last + 1) * length) // levels)
+    h0, h1 = h[start], h[stop - 1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        g0, z0 = cum[first_end] - left, nzc[first_end] - nzc[start]
+        g1, z1 = cum[b] - cum[a], nzc[b] - nzc[a]
+        cross += np.where(left > 0, left * np.log(g0 / np.maximum(z0, 1.0)), 0.0)
+        cross += np.where(right > 0, right * np.log(g1 / np.maximum(z1, 1.0)), 0.0)
+        plogp = (t.hlh[stop] - t.hlh[start] - t.xl[start] - t.xl[stop - 1]
+                 + _xlogx(h0 + left) + _xlogx(h1 + right))
+        inside = cum[stop] - left
+        kl = (plogp - cross) / t.total + np.log(inside / t.total)
+    bad = ((left > 0) & (h0 == 0)) | ((right > 0) & (h1 == 0)) | ~(inside > 0) | np.isnan(kl)
+    return np.where(bad, np.inf, kl)
 
 
-# --- searches -----------------------------------------------------------------------
-def _grid_search(err_fn: Callable[[torch.Tensor], torch.Tensor], batch: int, dims: int,
-                 device, stages) -> torch.Tensor:
-    """Minimise ``err_fn`` over clip fractions ``f ∈ [0, 1)^dims`` (per row), coarse to fine.
+def search_abs_kl(a: np.ndarray, levels: int) -> int:
+    """TensorRT's threshold on the ``|x|`` counts ``a`` (bin 0 already holding bin 1's
+    count): the stop bin ``i`` (threshold ``i·W``) of the last smallest divergence over
+    ``i = start_bin .. len(a)``."""
+    n = a.shape[0]
+    first = min(KL_START_BIN, n)
+    if n < 2:
+        return n
+    t = _KLTables(a, -(-n // levels), n + 1)
+    stop = np.arange(first, n + 1)
+    kl = kl_divergence(t, np.zeros_like(stop), stop, levels, _group_index(levels, n, n + 1)[first:])
+    return int(stop[-1 - int(np.argmin(kl[::-1]))])  # ties: the widest, as TensorRT
 
-    ``err_fn`` takes ``[B, K, dims]`` fractions and returns ``[B, K]`` errors; each stage
-    is one call. Returns the best ``[B, dims]`` fractions.
+
+def search_kl(hist: np.ndarray, h_lo: float, h_hi: float, lo: float, hi: float, qp: dict,
+              bins: int = 2048) -> tuple[float, float]:
+    """Range with the smallest KL divergence, TensorRT's way, from a fine histogram.
+
+    ``hist`` (equal bins over ``[h_lo, h_hi]``) is first put in TensorRT's ``bins`` bins
+    per side (:func:`kl_view`); the data's range is ``[lo, hi]``.
+
+    - Symmetric schemes: TensorRT's entropy calibration on the ``|x|`` histogram, with
+      ``levels = (quant_max − quant_min + 1) // 2`` (128 for int8), range ``[-t, t]``.
+    - Affine schemes, data of one sign: TensorRT's calibration of unsigned tensors (the
+      ``|x|`` histogram, ``levels = quant_max − quant_min + 1``, 256 for uint8), range
+      ``[0, t]`` (or ``[-t, 0]``).
+    - Affine schemes, data of both signs (TensorRT has no such mode): windows
+      ``[s·W, e·W]`` containing 0 of the signed histogram, at least ``start_bin`` bins
+      wide, tails folded into both end bins, ``levels`` levels split TensorRT's way;
+      the bin ``[0, W)`` takes its neighbour's count (TensorRT's bin 0). Searched
+      coarse to fine over both ends.
+
+    Returns:
+        ``(a, b)``, floats: bin edges; the caller trims them to the data.
     """
-    best = torch.zeros(batch, dims, dtype=_F64, device=device)
-    best_err = torch.full((batch,), float("inf"), dtype=_F64, device=device)
-    for first, step, count in stages:
-        offsets = (first + torch.arange(count, dtype=_F64, device=device)) * step
-        grid = torch.cartesian_prod(*([offsets] * dims)).view(-1, dims)
-        cand = (best[:, None, :] + grid[None]).clamp(0, 1 - 1 / 2048)
-        err = err_fn(cand)
-        err_min, idx = err.min(1)
-        better = err_min < best_err  # keep the previous best if no candidate beats it
-        best = torch.where(better[:, None], cand[torch.arange(batch, device=device), idx], best)
-        best_err = torch.where(better, err_min, best_err)
-    return best
-
-
-def kl_histogram(hist: torch.Tensor, lo: float, hi: float, symmetric: bool) -> tuple[torch.Tensor, float]:
-    """The histogram the KL search runs on, and the position of 0 in it (in bins).
-
-    Symmetric: the ``|x|`` histogram over ``[0, amax]``. Either way the bin holding 0
-    gets its neighbour's count (as ModelOpt does): 0 is exactly representable, and a
-    spike of exact zeros (ReLU outputs, padding) would otherwise dominate the
-    divergence and drive the search to clip half the range.
-    """
-    h = hist.reshape(1, -1).to(_F64)
-    n = h.shape[1]
-    lo_t = torch.tensor([lo], dtype=_F64, device=h.device)
-    hi_t = torch.tensor([hi], dtype=_F64, device=h.device)
-    if symmetric:
-        h, _ = abs_histogram(h, lo_t, hi_t)
-        zero = 0.0
-    else:
-        zero = min(max(-lo / ((hi - lo) / n), 0.0), float(n))
-    h = h[0].clone()
-    z = min(int(zero), n - 1)
-    h[z] = h[z + 1] if z + 1 < n else h[z - 1]
-    return h, zero
-
-
-def search_kl(hist: torch.Tensor, lo: float, hi: float, qp: dict) -> tuple[float, float]:
-    """Range with the smallest KL divergence (see :func:`kl_divergence`), per tensor.
-
-    Symmetric: the ``|x|`` histogram, every threshold from ``levels`` bins to the
-    whole range (TensorRT), with ``levels = (quant_max − quant_min + 1) // 2`` (128 for
-    int8). Affine: windows ``[start, stop)`` of the signed histogram that contain 0,
-    with ``levels = quant_max − quant_min + 1`` (256), searched coarse to fine in 2D.
-    Both run on :func:`kl_histogram`.
-    """
-    n = hist.numel()
     nlev = qp["quant_max"] - qp["quant_min"] + 1
     sym = is_symmetric(qp["qscheme"])
-    h, zero = kl_histogram(hist, lo, hi, sym)
-    if sym:
-        levels = nlev // 2
-        amax = max(abs(lo), abs(hi))
-        if n < levels:
-            return -amax, amax
-        stop = torch.arange(levels, n + 1, device=h.device)
-        kl = kl_divergence(h, torch.zeros_like(stop), stop, levels)
-        t = amax * int(stop[int(torch.argmin(kl))]) / n
-        return -t, t
-    levels = nlev
-    width = (hi - lo) / n
-    max_left, max_right = int(zero), n - int(-(-zero // 1))
-    if n < levels:
+    if not max(-lo, hi) > 0 or not (max(-lo, hi) / bins) > 0:
         return lo, hi
-    tables = _KLTables(h, levels)
+    view, z, w = kl_view(hist, h_lo, h_hi, lo, hi, bins)
+    if sym or lo >= 0 or hi <= 0:
+        a = abs_view(view, z, bins)
+        a[0] = a[1]
+        t = search_abs_kl(a, nlev // 2 if sym else nlev) * w
+        if sym:
+            return -t, t
+        return (0.0, t) if lo >= 0 else (-t, 0.0)
+    n = view.shape[0]
+    view[z] = view[z + 1] if z + 1 < n else view[z - 1]
+    if n < KL_START_BIN:
+        return lo, hi
+    s, e = _search_windows(view, z, nlev, 2 * bins + 1)
+    return (s - z) * w, (e - z) * w
 
-    def err_fn(f):
-        start = torch.round(f[0, :, 0] * max_left).long()
-        stop = n - torch.round(f[0, :, 1] * max_right).long()
-        ok = stop - start >= levels
-        kl = kl_divergence(h, torch.where(ok, start, 0), torch.where(ok, stop, n), levels, tables)
-        return torch.where(ok, kl, float("inf"))[None]
 
-    best = _grid_search(err_fn, 1, 2, h.device, _STAGES_KL_2D)[0]
-    start = int(torch.round(best[0] * max_left))
-    stop = n - int(torch.round(best[1] * max_right))
-    return lo + start * width, lo + stop * width
+def _search_windows(view: np.ndarray, z: int, levels: int, stride: int) -> tuple[int, int]:
+    """The window ``[s, e)`` with ``s <= z <= e`` and at least ``start_bin`` bins with the
+    smallest :func:`kl_divergence`, searched coarse to fine (see :data:`_KL_GRID`)."""
+    n = view.shape[0]
+    tables = _KLTables(view, -(-(stride - 1) // levels), stride)
+    # a window whose end bin is empty while the tail beyond it is not has KL = inf (Q is 0
+    # where P holds the tail): candidates move inwards to the nearest non-empty end bins,
+    # so that a coarse grid over sparse tails still sees finite divergences
+    i = np.arange(n + 1)
+    filled = view > 0
+    end_at = np.maximum(np.maximum.accumulate(np.where(np.r_[False, filled], i, 0)), z)
+    start_at = np.minimum(np.minimum.accumulate(np.where(np.r_[filled, True], i, n)[::-1])[::-1], z)
+
+    def evaluate(s, e):
+        s, e = (v.reshape(-1) for v in np.meshgrid(np.unique(start_at[s]), np.unique(end_at[e]), indexing="ij"))
+        ok = e - s >= KL_START_BIN
+        s, e = s[ok], e[ok]
+        return s, e, (kl_divergence(tables, s, e, levels) if s.size else np.zeros(0))
+
+    # first grid: about _KL_GRID points, as many per side as its share of the bins
+    ns = int(min(z + 1, max(2, round(math.sqrt(_KL_GRID * (z + 1) / (n - z + 1))))))
+    ne = int(min(n - z + 1, max(2, _KL_GRID // ns)))
+    s, e, kl = evaluate(np.rint(np.linspace(0, z, ns)).astype(np.intp),
+                        np.rint(np.linspace(z, n, ne)).astype(np.intp))
+    if not np.isfinite(kl).any():
+        return 0, n
+    best_s, best_e, best_kl = 0, n, np.inf
+    for j in np.argsort(kl, kind="stable")[:_KL_STARTS]:
+        if not np.isfinite(kl[j]):
+            break
+        cs, ce, ckl = int(s[j]), int(e[j]), float(kl[j])
+        step_s, step_e = z / max(ns - 1, 1), (n - z) / max(ne - 1, 1)
+        while step_s > 1 or step_e > 1:
+            step_s, step_e = max(step_s / 4, 1.0), max(step_e / 4, 1.0)
+            offsets = np.arange(-4, 5)
+            rs_, re_, rkl = evaluate(np.clip(np.rint(cs + offsets * step_s), 0, z).astype(np.intp),
+                                     np.clip(np.rint(ce + offsets * step_e), z, n).astype(np.intp))
+            k = int(np.argmin(rkl)) if rkl.size else 0
+            if rkl.size and rkl[k] < ckl:
+                cs, ce, ckl = int(rs_[k]), int(re_[k]), float(rkl[k])
+        if ckl < best_kl:
+            best_s, best_e, best_kl = cs, ce, ckl
+    return best_s, best_e
 
 
 def percentile_range(hist: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, percentile: float,

@@ -22,9 +22,10 @@ from quantkit.quantizers import QuantConfig, W8A8Quantizer
 from tests.models import make_mlp, make_transformer
 from tests.observers._reference import (
     kl_reference,
-    kl_threshold_reference,
     mse_amax_torch_loop,
     mse_threshold_reference,
+    sample,
+    tensorrt_entropy_amax,
 )
 
 SYM = dict(dtype=torch.int8, qscheme=torch.per_tensor_symmetric)
@@ -42,20 +43,7 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def _sample(name: str, n: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    u = torch.rand(n, generator=g, dtype=torch.float64).clamp(1e-12, 1 - 1e-12)
-    if name == "gaussian":
-        x = torch.randn(n, generator=g, dtype=torch.float64)
-    elif name == "laplace":
-        x = -torch.sign(u - 0.5) * torch.log1p(-2 * (u - 0.5).abs())
-    elif name == "student_t":  # 3 degrees of freedom: heavy tails
-        z = torch.randn(n, generator=g, dtype=torch.float64)
-        chi2 = torch.randn(3, n, generator=g, dtype=torch.float64).pow(2).sum(0)
-        x = z / torch.sqrt(chi2 / 3)
-    else:
-        raise AssertionError(name)
-    return x.float()
+_sample = sample
 
 
 def _observe(obs, x, chunks: int = 4):
@@ -79,48 +67,78 @@ def _measured_mse(x, obs) -> float:
 
 # --- KL -------------------------------------------------------------------------
 @pytest.mark.parametrize("dist", ["gaussian", "laplace", "student_t"])
-def test_kl_threshold_matches_per_candidate_reference(dist):
-    obs = _observe(HistogramObserver(method="kl", **SYM), _sample(dist, 200_000))
-    h, lo, hi = obs.occupied_bins()
-    abs_hist, _ = hs.kl_histogram(h, lo, hi, symmetric=True)
-    width = max(-lo, hi) / h.numel()
-    ref_t = kl_threshold_reference(abs_hist.numpy(), levels=128) * width
-    _, t = obs._min_max()
-    assert abs(float(t) - ref_t) <= width * (1 + 1e-6), (
-        f"{dist}: KL threshold {float(t):.5f} vs reference {ref_t:.5f} (bin width {width:.5f})"
-    )
+def test_kl_matches_tensorrt_entropy_calibrator(dist):
+    # TensorRT's calibration run step by step on the raw values (its own np.histogram of
+    # |x| with 2048 bins over [0, amax]); the observer sees the data in 4 batches
+    x = _sample(dist, 200_000)
+    trt = tensorrt_entropy_amax(x.numpy())
+    obs = _observe(HistogramObserver(method="kl", **SYM), x)
+    ours = float(obs._min_max()[1])
+    assert abs(ours - trt) / trt <= 0.03, f"{dist}: KL threshold {ours:.4f} vs TensorRT {trt:.4f}"
 
 
-def test_kl_divergence_matches_reference_on_windows():
-    # affine windows: tails on both sides folded in, 256 levels
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["non-negative", "non-positive"])
+def test_kl_affine_on_one_signed_data_is_tensorrt_unsigned(sign):
+    # one-signed data, affine uint8: TensorRT's unsigned calibration (256 levels on |x|)
+    x = torch.relu(_sample("laplace", 200_000, seed=4)) * sign
+    trt = tensorrt_entropy_amax(x.numpy(), unsigned=True)
+    lo, hi = (float(v) for v in _observe(HistogramObserver(method="kl", **AFF), x)._min_max())
+    ours = hi if sign > 0 else -lo
+    assert (lo, hi)[sign < 0] == 0.0 and abs(ours - trt) / trt <= 0.03, (
+        f"affine KL range [{lo:.4f}, {hi:.4f}] vs TensorRT unsigned amax {trt:.4f}")
+
+
+def test_kl_view_matches_numpy_histogram():
+    # TensorRT's bins rebuilt from the observer's finer aligned bins vs np.histogram of |x|
+    x = _sample("student_t", 200_000, seed=1)
+    obs = _observe(HistogramObserver(method="kl", **SYM), x)
+    h, h_lo, h_hi = obs.occupied_bins()
+    lo, hi = float(obs.min_val), float(obs.max_val)
+    view, z, w = hs.kl_view(h.numpy(), h_lo, h_hi, lo, hi, 2048)
+    ours = hs.abs_view(view, z, 2048)
+    a = x.double().abs().numpy()
+    ref, edges = np.histogram(a, bins=2048, range=(0, a.max()))
+    assert w == edges[1] and ours.sum() == x.numel() and np.all(ours == np.round(ours))
+    # each bin is off by a fraction of the values within one fine bin (64 per bin here) of its edges
+    err = np.abs(ours - ref)
+    assert err.sum() <= 0.01 * x.numel() and np.all(err <= 0.1 * ref + 2), (err.sum(), err.max())
+    # the sparse tail keeps its empty bins: 10% of the data sits beyond bin 40
+    tail = ref[40:] == 0
+    assert np.mean((ours[40:] == 0) == tail) >= 0.97
+
+
+@pytest.mark.parametrize("levels", [256, 128])
+def test_kl_divergence_matches_reference_on_windows(levels):
+    # windows of the signed histogram: tails on both sides folded in, some end bins empty
     obs = _observe(HistogramObserver(method="kl", **AFF), _sample("student_t", 200_000))
-    h, lo, hi = obs.occupied_bins()
-    zero = int(-lo / (hi - lo) * h.numel())
+    h, h_lo, h_hi = obs.occupied_bins()
+    view, z, _ = hs.kl_view(h.numpy(), h_lo, h_hi, float(obs.min_val), float(obs.max_val), 2048)
     rng = np.random.default_rng(0)
-    start = rng.integers(zero - 300, zero, 40)
-    stop = np.maximum(rng.integers(zero + 1, zero + 400, 40), start + 256)
-    ours = hs.kl_divergence(h, torch.from_numpy(start), torch.from_numpy(stop), 256).numpy()
-    ref = np.array([kl_reference(h.numpy(), int(a), int(b), 256) for a, b in zip(start, stop)])
-    assert np.isfinite(ref).sum() >= 10
+    start = z - rng.integers(0, 700, 60)  # the bulk and the sparse tails (t(3): 65 at 2048 bins)
+    stop = np.maximum(z + rng.integers(0, 700, 60), start + 130)
+    tables = hs._KLTables(view, -(-4096 // levels), 4097)
+    ours = hs.kl_divergence(tables, start, stop, levels)
+    ref = np.array([kl_reference(view, int(a), int(b), levels) for a, b in zip(start, stop)])
+    assert np.isfinite(ref).sum() >= 10 and np.isinf(ref).sum() >= 1
     np.testing.assert_allclose(ours, ref, rtol=1e-9, atol=1e-12)
 
 
-def test_kl_affine_search_finds_the_grid_minimum():
-    obs = _observe(HistogramObserver(method="kl", bins=512, **AFF), _sample("laplace", 100_000) + 1.0)
-    lo, hi = (float(v) for v in obs._min_max())
-    hist, h_lo, h_hi = obs.occupied_bins()
-    n = hist.numel()
-    w = (h_hi - h_lo) / n
-    zero = -h_lo / w
-    start, stop = torch.meshgrid(torch.arange(0, int(zero) + 1), torch.arange(int(zero) + 1, n + 1), indexing="ij")
-    start, stop = start.reshape(-1), stop.reshape(-1)
-    ok = stop - start >= 256
-    h, _ = hs.kl_histogram(hist, h_lo, h_hi, symmetric=False)
-    kl = hs.kl_divergence(h, start[ok], stop[ok], 256)
-    best = float(kl.min())
-    # the chosen range, in bins (the observer trims it to the data, less than a bin)
-    chosen = hs.kl_divergence(h, torch.tensor([round((lo - h_lo) / w)]), torch.tensor([round((hi - h_lo) / w)]), 256)
-    assert float(chosen) <= best * 1.02 + 1e-9, f"searched KL {float(chosen):.6f} vs exhaustive {best:.6f}"
+def test_kl_affine_search_finds_the_window_minimum():
+    # both signs: the coarse-to-fine search against every window containing 0 (256 bins a side)
+    x = _sample("laplace", 100_000) + 1.0
+    obs = _observe(HistogramObserver(method="kl", bins=256, **AFF), x)
+    h, h_lo, h_hi = obs.occupied_bins()
+    lo, hi = float(obs.min_val), float(obs.max_val)
+    a, b = hs.search_kl(h.numpy(), h_lo, h_hi, lo, hi, obs._qp(), 256)
+    view, z, w = hs.kl_view(h.numpy(), h_lo, h_hi, lo, hi, 256)
+    view[z] = view[z + 1]
+    start, stop = (v.reshape(-1) for v in np.meshgrid(np.arange(z + 1), np.arange(z, view.size + 1), indexing="ij"))
+    ok = stop - start >= hs.KL_START_BIN
+    tables = hs._KLTables(view, 2, 513)
+    best = float(hs.kl_divergence(tables, start[ok], stop[ok], 256).min())
+    s, e = z + round(a / w), z + round(b / w)  # bin edges
+    chosen = float(hs.kl_divergence(tables, np.array([s]), np.array([e]), 256)[0])
+    assert chosen <= best * 1.01 + 1e-12, f"searched KL {chosen:.6f} vs exhaustive {best:.6f}"
 
 
 # --- MSE ------------------------------------------------------------------------
