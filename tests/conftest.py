@@ -19,9 +19,11 @@ def pytest_configure(config):
     """With QUANTKIT_TEST_INSTALLED=1 (CI), refuse to test anything but an installed, non-editable quantkit."""
     if os.environ.get("QUANTKIT_TEST_INSTALLED") != "1":
         return
-    import quantkit
+    import importlib.util
 
-    where = Path(quantkit.__file__).resolve()
+    # find_spec does not run quantkit/__init__: importing it here would decorate the Triton kernels
+    # before tests/kernels/conftest.py chooses the interpreter
+    where = Path(importlib.util.find_spec("quantkit").origin).resolve()
     if REPO in where.parents or "__editable__" in str(where):
         raise pytest.UsageError(f"QUANTKIT_TEST_INSTALLED=1 but quantkit was imported from {where}, "
                                 "not from an installed wheel; install the wheel and run `pytest` (not from the source tree)")
