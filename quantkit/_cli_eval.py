@@ -1,16 +1,28 @@
-"""``quantkit inspect`` and ``quantkit eval``: read an artifact directory back."""
+"""``quantkit inspect`` and ``quantkit eval``: read an artifact directory back.
+
+An artifact's JSON files are untrusted input: every field is checked before use, and
+eval never imports code an artifact names. The float model of a factory artifact is
+rebuilt only from ``eval --model MODULE:FACTORY``; an HF model directory it records is
+data (loaded with transformers' own classes, never with custom code).
+"""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from . import _artifact, _cli_inputs as inputs, _cli_report as report
-from ._cli_quantize import REPORT_JSON
+from ._cli_quantize import REPORT_JSON, TOKENIZER_DIR
 from ._errors import QuantkitError
 
 __all__ = ["run_inspect", "run_eval"]
+
+
+def _damaged(path: Path, why: str) -> QuantkitError:
+    return QuantkitError(f"{str(path)!r} is damaged: {why}; re-run quantkit quantize to rewrite the artifact")
 
 
 def _read_artifact(directory: str) -> tuple[Path, dict]:
@@ -21,21 +33,55 @@ def _read_artifact(directory: str) -> tuple[Path, dict]:
         raise QuantkitError(f"{directory!r} has no {_artifact.MODEL_FILE} and {_artifact.RECIPE_FILE}; "
                             "it is not a quantkit artifact")
     doc = _artifact.read_json(path / _artifact.RECIPE_FILE)
-    if doc.get("format") != _artifact.FORMAT:
+    if not isinstance(doc, dict) or doc.get("format") != _artifact.FORMAT:
         raise QuantkitError(f"{str(path / _artifact.RECIPE_FILE)!r} is not a quantkit quantization.json")
+    verify = getattr(_artifact, "verify_artifact", None)
+    if verify is not None:
+        verify(path)
+    for key, kind in (("recipe", dict), ("source", dict), ("versions", dict), ("tensors", list)):
+        if key in doc and not isinstance(doc[key], kind):
+            raise _damaged(path / _artifact.RECIPE_FILE, f"field {key!r} is {type(doc[key]).__name__}, "
+                                                         f"not {'an object' if kind is dict else 'a list'}")
+    if not all(isinstance(t, dict) for t in doc.get("tensors", [])):
+        raise _damaged(path / _artifact.RECIPE_FILE, "'tensors' holds entries that are not objects")
     return path, doc
 
 
+# --- inspect -----------------------------------------------------------------------------
+
 def _scale_range(rec: dict) -> str:
     s = rec.get("scale") or []
+    if not isinstance(s, list) or not all(isinstance(v, (int, float)) for v in s):
+        return "?"
     if not s:
         return "run time"
     return f"{min(s):.3g}" if len(s) == 1 else f"{min(s):.3g}..{max(s):.3g} ({len(s)} ch)"
 
 
+def _number(v) -> str:
+    if v is None:
+        return "inf"  # report.json writes an infinite SQNR (identical outputs) as null
+    return f"{v:.4f}" if isinstance(v, (int, float)) and abs(v) < 1.5 else f"{v:.1f}" if isinstance(v, (int, float)) else "?"
+
+
+def _read_report(path: Path) -> dict:
+    file = path / REPORT_JSON
+    if not file.is_file():
+        return {}
+    rep = _artifact.read_json(file)
+    if not isinstance(rep, dict):
+        raise _damaged(file, f"it holds {type(rep).__name__}, not an object")
+    for key, kind in (("metric", dict), ("size", dict), ("layers", list)):
+        if key in rep and not isinstance(rep[key], kind):
+            raise _damaged(file, f"field {key!r} is {type(rep[key]).__name__}")
+    if not all(isinstance(r, dict) for r in rep.get("layers", [])):
+        raise _damaged(file, "'layers' holds entries that are not objects")
+    return rep
+
+
 def run_inspect(args, say) -> int:
     path, doc = _read_artifact(args.dir)
-    rep = _artifact.read_json(path / REPORT_JSON) if (path / REPORT_JSON).is_file() else {}
+    rep = _read_report(path)
     recipe, source = doc.get("recipe", {}), doc.get("source", {})
     size = (path / _artifact.MODEL_FILE).stat().st_size
     tensors = doc.get("tensors", [])
@@ -44,133 +90,260 @@ def run_inspect(args, say) -> int:
              for k in ("weight", "activation", "dynamic")}
     say(f"{path}")
     say(f"  model:    {rep.get('model') or source.get('model', {})}")
-    say(f"  recipe:   " + ", ".join(f"{k}={v}" for k, v in recipe.items()) if recipe else "  recipe:   (saved from Python)")
-    say(f"  made by:  " + ", ".join(f"{k} {v}" for k, v in doc.get("versions", {}).items()))
+    say("  recipe:   " + (", ".join(f"{k}={v}" for k, v in recipe.items()) if recipe else "(saved from Python)"))
+    say("  made by:  " + ", ".join(f"{k} {v}" for k, v in doc.get("versions", {}).items()))
     line = f"  size:     {_artifact.MODEL_FILE} {size / 2**20:.1f} MiB"
-    if rep.get("size"):
-        line += f" ({rep['size']['ratio']:.3f}x the fp32 weights)"
+    ratio = rep.get("size", {}).get("ratio")
+    if isinstance(ratio, (int, float)):
+        line += f" ({ratio:.3f}x the fp32 weights)"
     say(line)
     say(f"  tensors:  {kinds['weight']} int8 weights, {kinds['activation']} static activations, "
         f"{kinds['dynamic']} dynamic activations")
-    if rep.get("metric"):
-        m = rep["metric"]
-        say(f"  accuracy: {m['name']} mean {m['mean_cosine']:.4f}, min {m['min_cosine']:.4f}, "
-            f"SQNR {m['sqnr_db']:.1f} dB on {m['samples']} held-out samples")
-    sqnr = {r["layer"]: r for r in rep.get("layers", [])}
+    m = rep.get("metric")
+    if m:
+        say(f"  accuracy: {m.get('name')} mean {_number(m.get('mean_cosine'))}, min {_number(m.get('min_cosine'))}, "
+            f"SQNR {_number(m.get('sqnr_db'))} dB on {m.get('samples')} held-out samples")
+    fit = rep.get("weights_not_loaded")
+    if isinstance(fit, dict):
+        say(f"  WARNING:  quantized with --allow-missing-weights: the checkpoint does not fit "
+            f"{fit.get('architecture')}; some tensors were randomly initialised")
     rows = []
-    if sqnr:
-        for name, r in sqnr.items():
-            rows.append({"layer": name, "op": r["op"], "weight": r["weight"], "SQNR (dB)": r["sqnr_db"]})
+    if rep.get("layers"):
+        for r in rep["layers"]:
+            rows.append({"layer": r.get("layer"), "op": r.get("op"), "weight": r.get("weight"),
+                         "SQNR (dB)": _number(r.get("sqnr_db"))})
         cols = ["layer", "op", "weight", "SQNR (dB)"]
     else:
         for t in tensors:
-            rows.append({"tensor": t["node"], "kind": t["kind"], "dtype": t["dtype"], "scale": _scale_range(t)})
+            rows.append({"tensor": t.get("node"), "kind": t.get("kind"), "dtype": t.get("dtype"),
+                         "scale": _scale_range(t)})
         cols = ["tensor", "kind", "dtype", "scale"]
     say("")
     say(report.render_table(rows, cols))
     return 0
 
 
-def _rebuild_float(doc: dict, progress: bool):
-    spec = inputs.ModelSpec.from_json(doc.get("source", {}).get("model") or {})
-    if spec.kind not in ("default", "hf", "factory"):
-        raise QuantkitError("quantization.json does not say which float model this came from; "
+# --- eval --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Source:
+    """quantization.json's ``source``, checked field by field."""
+
+    model: inputs.ModelSpec
+    data: inputs.DataSpec
+    fingerprint: str
+    samples: int
+    heldout: list[int]
+    seq_len: int
+    batch_size: int
+    allow_missing_weights: bool
+
+
+def _source(path: Path, doc: dict) -> _Source:
+    src = doc.get("source")
+    if not src:
+        raise QuantkitError(f"{str(path)!r} was saved from Python and does not record its float model; "
                             "eval needs an artifact written by quantkit quantize")
-    try:
-        spec.check()
-    except QuantkitError as exc:
-        raise QuantkitError(f"cannot rebuild the float reference: {exc}") from None
-    return spec, inputs.load_model(spec, progress=progress)
+    file = path / _artifact.RECIPE_FILE
+
+    def field(key, kind, check=lambda v: True, default=None):
+        v = src.get(key, default)
+        if not isinstance(v, kind) or isinstance(v, bool) is not (kind is bool) or not check(v):
+            raise _damaged(file, f"source.{key} is {v!r}")
+        return v
+
+    samples = field("samples", int, lambda v: v >= 1)
+    data = src.get("data", {})
+    if not isinstance(data, dict) or data.get("kind", "default") not in ("default", "text", "tensors") \
+            or not isinstance(data.get("path", ""), str) or (data.get("kind") in ("text", "tensors") and "path" not in data):
+        raise _damaged(file, f"source.data is {data!r}")
+    heldout = field("heldout", list, lambda v: v and all(isinstance(i, int) and not isinstance(i, bool)
+                                                        and 0 <= i < samples for i in v))
+    return _Source(
+        model=inputs.ModelSpec.from_json(src.get("model")),
+        data=inputs.DataSpec.from_json(data),
+        fingerprint=field("fingerprint", str),
+        samples=samples,
+        heldout=heldout,
+        seq_len=field("seq_len", int, lambda v: v >= 2, 128),
+        batch_size=field("batch_size", int, lambda v: v >= 1, 32),
+        allow_missing_weights=field("allow_missing_weights", bool, default=False),
+    )
 
 
-def _eval_samples(doc: dict, data_arg: str | None, example_ndims):
-    source = doc["source"]
+def _float_spec(args, source: _Source) -> inputs.ModelSpec:
+    """The float model to compare with: ``--model`` if given, else the recorded HF model.
+    A factory is imported only when ``--model`` names it (never from the artifact)."""
+    recorded = source.model
+    if args.model is None:
+        for flag, v in (("--weights", args.weights), ("--example-input", args.example_input), ("--task", args.task)):
+            if v is not None:
+                raise inputs.UsageError(f"{flag} applies with --model only")
+        if recorded.kind == "factory":
+            raise inputs.UsageError(
+                f"this artifact's float model comes from the factory {recorded.factory!r}; eval does not import "
+                f"code an artifact names: pass --model {recorded.factory} if you trust that code")
+        return recorded
+    if inputs.is_factory_name(args.model):
+        same = recorded.kind == "factory"
+        weights = args.weights or (recorded.weights if same else None)
+        example = args.example_input or (recorded.example_input if same else None)
+        return inputs.ModelSpec.from_args(args.model, weights, example, "auto")
+    task = args.task or (recorded.task if recorded.is_hf else "auto")
+    return inputs.ModelSpec.from_args(args.model, args.weights, args.example_input, task)
+
+
+def _eval_samples(source: _Source, data_arg: str | None, example_ndims):
     if data_arg is not None:
         data = inputs.DataSpec.from_arg(data_arg)
-        return inputs.read_samples(data, example_ndims=example_ndims), "given data"
-    data = inputs.DataSpec.from_json(source.get("data", {}))
-    samples = inputs.read_samples(data, example_ndims=example_ndims)
-    if len(samples) != source.get("samples") or inputs.fingerprint(data) != source.get("fingerprint"):
+        samples, origins = inputs.read_samples(data, example_ndims=example_ndims)
+        return samples, origins, "given data"
+    data = source.data
+    if data.kind != "default" and not (Path(data.path).is_dir() if data.kind == "tensors" else Path(data.path).is_file()):
+        raise QuantkitError(f"the calibration data this artifact was split from, {data.path!r}, does not exist "
+                            "any more (or is not a " + ("directory" if data.kind == "tensors" else "file")
+                            + "); pass --data PATH to evaluate on other data")
+    samples, origins = inputs.read_samples(data, example_ndims=example_ndims)
+    if len(samples) != source.samples or inputs.fingerprint(source.data) != source.fingerprint:
         raise QuantkitError("the calibration data changed since quantize, so its held-out split is lost; "
                             "pass --data PATH to evaluate on other data")
-    return [samples[i] for i in source["heldout"]], "held-out split"
+    return [samples[i] for i in source.heldout], [origins[i] for i in source.heldout], "held-out split"
 
 
-def _compiled(qmodel, batch):
-    """quantkit.compile (Inductor lowering) where it exists; None when absent or failing."""
+def _load_int8(path: Path, device: torch.device):
+    """The artifact's int8 program as a module on ``device`` (artifacts are saved for CPU)."""
+    from quantkit import load
+
+    if device.type == "cpu":
+        return load(path)
+    from torch.export.passes import move_to_device_pass
+
+    program = move_to_device_pass(torch.export.load(str(path / _artifact.MODEL_FILE)), device)
+    module = program.module()
+    module.meta["quantkit_converted"] = True
+    return module
+
+
+class _FrozenFloat(torch.nn.Module):
+    """``torch.compile`` of the float model run like ``quantkit.compile``'s int8 one: Inductor
+    freezing on (weights folded as constants), no grad, inputs copied (a frozen graph may
+    reuse an input's buffer)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.compiled = torch.compile(model)
+
+    def forward(self, *args, **kwargs):
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        with torch._inductor.config.patch(freezing=True), torch.no_grad():
+            return self.compiled(*args, **kwargs)
+
+
+def _compiled(float_model, qmodel, batches: list):
+    """(compiled float, compiled int8, None), or (None, None, why) when compilation fails."""
+    import io
+    import contextlib
+
     import quantkit
+    from ._inputs import call_model
 
-    compile_fn = getattr(quantkit, "compile", None)
-    if compile_fn is None:
-        return None, "quantkit.compile is not available"
     try:
-        compiled = compile_fn(qmodel)
-        from ._inputs import call_model
-
-        with torch.no_grad():
-            call_model(compiled, batch)
-        return compiled, None
-    except Exception as exc:  # report, don't fail: the reference int8 numbers stand
-        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
-
-
-def _hf_cosine(a, b):
-    from ._hf import cosine
-
-    return cosine(a, b)
+        with contextlib.redirect_stderr(io.StringIO()), torch.no_grad():
+            fast_int8 = quantkit.compile(qmodel)
+            fast_float = _FrozenFloat(float_model)
+            for b in batches[:1]:
+                call_model(fast_int8, b)
+                call_model(fast_float, b)
+        return fast_float, fast_int8, None
+    except Exception as exc:  # report, don't fail: the reference numbers stand
+        text = " ".join(str(exc).split())
+        return None, None, f"compilation failed ({text[:150] or type(exc).__name__})"
 
 
-def run_eval(args, say) -> int:
+def _check_eval_args(args) -> torch.device:
     for flag, v in (("--batch-size", args.batch_size), ("--num", args.num)):
         if v is not None and v < 1:
             raise inputs.UsageError(f"{flag} must be at least 1, got {v}")
+    return inputs.check_device(args.device)
+
+
+def run_eval(args, say) -> int:
+    device = _check_eval_args(args)
     path, doc = _read_artifact(args.dir)
-    if not doc.get("source"):
-        raise QuantkitError(f"{args.dir!r} was saved from Python and does not record its float model; "
-                            "eval needs an artifact written by quantkit quantize")
+    source = _source(path, doc)
+    spec = _float_spec(args, source)
+    spec.check()
     progress = not args.quiet
-    spec = inputs.ModelSpec.from_json(doc["source"]["model"])
     ndims = [len(s) for s, _ in inputs.parse_example_input(spec.example_input)] if spec.kind == "factory" else None
-    samples, where = _eval_samples(doc, args.data, ndims)
+    samples, origins, where = _eval_samples(source, args.data, ndims)
+    bad = set(inputs.nonfinite(samples))
+    if bad and not args.skip_nonfinite:
+        first = origins[min(bad)]
+        raise QuantkitError(f"eval sample {first} holds NaN or inf ({len(bad)} of {len(samples)} samples do); "
+                            "fix the data, or pass --skip-nonfinite to leave such samples out")
+    keep = [i for i in range(len(samples)) if i not in bad]
+    if not keep:
+        raise QuantkitError(f"every eval sample holds NaN or inf ({len(samples)}); nothing is left to evaluate")
     if args.num is not None:
-        samples = samples[:args.num]
-    _, loaded = _rebuild_float(doc, progress)
-    tok_dir = path / "tokenizer"
-    if loaded.tokenizer is None and tok_dir.is_dir():
+        keep = keep[:args.num]
+    samples, origins = [samples[i] for i in keep], [origins[i] for i in keep]
+
+    loaded = inputs.load_model(spec, progress=progress, allow_mismatch=source.allow_missing_weights)
+    if loaded.fit is not None and not loaded.fit.clean:
+        say(f"warning: the float model was rebuilt with --allow-missing-weights (as quantized): "
+            f"{loaded.fit.summary()}; those tensors are randomly initialised")
+    loaded.model.to(device)
+    tok_dir = path / TOKENIZER_DIR
+    if loaded.tokenizer is None and tok_dir.is_dir() and samples and isinstance(samples[0], str):
         import transformers
 
-        loaded.tokenizer = transformers.AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
-    batches = inputs.make_batches(samples, loaded, seq_len=doc["source"].get("seq_len", 128),
-                                  batch_size=args.batch_size or doc["source"].get("batch_size", 32), what="eval")
-    from quantkit import load
+        loaded.tokenizer = transformers.AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True,
+                                                                      trust_remote_code=False)
+    batch_size = args.batch_size or source.batch_size
+    batches = inputs.make_batches(samples, loaded, seq_len=source.seq_len, batch_size=batch_size, what="eval",
+                                  origins=origins)
+    batches = [inputs.to_device(b, device) for b in batches]
+    where_of = [origins[i:i + batch_size] for i in range(0, len(origins), batch_size)]
+    qmodel = _load_int8(path, device)
 
-    qmodel = load(path)
-    encoder = report.is_encoder_batch(batches[0])
-    timing: dict[str, dict] = {"float": {}, "int8 (q/dq reference)": {}}
-    ref = report.outputs_of(loaded.model, batches, progress=progress, desc="float model", timing=timing["float"])
-    approx = report.outputs_of(qmodel, batches, progress=progress, desc="int8 model",
-                               timing=timing["int8 (q/dq reference)"])
-    metric = report.compare(ref, approx, encoder=encoder)
     note = None
+    timed = {"float (eager)": loaded.model, "int8 (q/dq reference)": qmodel}
     if args.compile:
-        compiled, note = _compiled(qmodel, batches[0])
-        if compiled is not None:
-            timing["int8 compiled"] = {}
-            lowered = report.outputs_of(compiled, batches, progress=progress, desc="compiled int8",
-                                        timing=timing["int8 compiled"])
-            metric["compiled_mean_cosine"] = float(_hf_cosine(ref, lowered).mean())
-    if args.json:
-        import json
-
-        say(json.dumps({"data": where, "metric": metric, "latency": timing}, indent=2))
-        return 0
-    say(f"{path}: {metric['name']} against the float model on the {where} ({metric['samples']} samples)")
-    say(report.render_table([{"mean cosine": metric["mean_cosine"], "min cosine": metric["min_cosine"],
-                              "SQNR (dB)": metric["sqnr_db"]}], ["mean cosine", "min cosine", "SQNR (dB)"]))
-    say("")
-    say(f"latency on this machine ({torch.get_num_threads()} threads, eager PyTorch):")
-    say(report.render_table([{"model": k, **v} for k, v in timing.items()],
-                            ["model", "median_ms_per_batch", "samples_per_s"]))
+        # one static shape: each model compiles once (dynamic shapes compile to slow CPU kernels)
+        static = inputs.static_shapes(batches, pad_id=inputs.pad_id_of(loaded))
+        fast_float, fast_int8, note = _compiled(loaded.model, qmodel, static)
+        if fast_int8 is not None:
+            timed = {"float (compiled)": fast_float, "int8 (compiled)": fast_int8}
+            batches = static
+    int8_name = list(timed)[1]
+    _, scores = report.compare_models(loaded.model, {int8_name: timed[int8_name]}, batches, origins=where_of,
+                                      progress=progress, desc="eval")
+    metric = scores[int8_name]
+    timing = report.time_interleaved(timed, batches)
+    speedup = timing[int8_name].pop("speedup")
+    result = {"data": where, "samples_nonfinite_skipped": len(bad), "device": str(device),
+              "compiled": args.compile and note is None, "metric": metric, "latency": timing,
+              "speedup": round(speedup, 3)}
     if note:
-        say(f"(compiled int8 not timed: {note})")
+        result["note"] = note
+    if args.json:
+        say(json.dumps(report.json_safe(result), indent=2, allow_nan=False))
+        return 0
+    say(f"{path}: {metric['name']} of {int8_name} against the float model on the {where} "
+        f"({metric['samples']} samples" + (f", {len(bad)} non-finite left out)" if bad else ")"))
+    row = {"mean cosine": metric["mean_cosine"], "min cosine": metric["min_cosine"], "SQNR (dB)": metric["sqnr_db"]}
+    cols = ["mean cosine", "min cosine", "SQNR (dB)"]
+    if "top1_agreement" in metric:
+        row["top-1 agreement"] = metric["top1_agreement"]
+        cols.append("top-1 agreement")
+    say(report.render_table([row], cols))
+    say("")
+    kind = "torch.compile, Inductor freezing" if result["compiled"] else "eager PyTorch"
+    say(f"latency on this machine ({device}, {torch.get_num_threads()} threads, {kind}; batches interleaved):")
+    say(report.render_table([{"model": k, **v} for k, v in timing.items()],
+                            ["model", "median_ms_per_batch", "samples_per_s", "batches"]))
+    say(f"int8 speedup over float: {speedup:.2f}x")
+    if note:
+        say(f"(compiled models not timed: {note}; timed the eager reference instead)")
     return 0

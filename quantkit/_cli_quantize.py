@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-import torch
 
 from . import _artifact, _cli_inputs as inputs, _cli_report as report
 from ._errors import QuantkitError
@@ -27,7 +26,7 @@ TOKENIZER_DIR = "tokenizer"
 
 
 class Scheme(str, Enum):
-    """Quantization schemes the CLI offers."""
+    """Shorthands for common recipes (``--scheme``); the explicit flags set the same fields."""
 
     W8A8 = "w8a8"  # static int8 weights (per channel) and uint8 activations (per tensor)
     W8A8_DYNAMIC = "w8a8-dynamic"  # int8 weights, activations quantized per batch at run time
@@ -37,12 +36,52 @@ class Scheme(str, Enum):
     def dynamic(self) -> bool:
         return self is not Scheme.W8A8
 
+    @property
+    def granularity(self) -> str:
+        return "per-token" if self is Scheme.W8A8_PER_TOKEN else "per-tensor"
+
+
+def observer_roles() -> dict[str, tuple[str, ...]]:
+    """Registered observer name → the roles the CLI can use it in (``"activation"``, ``"weight"``).
+
+    Read from what each observer declares in its default configuration: a dynamic observer
+    (``is_dynamic``, e.g. ``placeholder``) records nothing and serves ``--dynamic`` only, so
+    it fits neither flag; a per-channel one (``qscheme``) fits weights only, since
+    activations are quantized per tensor.
+    """
+    from quantkit import observers
+    from quantkit._qmath import is_per_channel
+
+    roles = {}
+    for name in observers.available():
+        try:
+            obs = observers.get(name)()
+        except Exception:  # an observer that needs arguments cannot be named on a command line
+            continue
+        if getattr(obs, "is_dynamic", False):
+            continue
+        per_channel = is_per_channel(getattr(obs, "qscheme", None))
+        roles[name] = ("weight",) if per_channel else ("activation", "weight")
+    return roles
+
+
+def _usable(role: str) -> list[str]:
+    return [n for n, r in observer_roles().items() if role in r]
+
 
 @dataclass(frozen=True)
 class Recipe:
-    """The quantization choices of one ``quantize`` run, as written to quantization.json."""
+    """The quantization choices of one ``quantize`` run, as written to quantization.json.
 
-    scheme: Scheme = Scheme.W8A8
+    ``activation``, ``dynamic``, ``granularity``, ``ops``, ``observer`` and ``weight_observer``
+    are the fields of :class:`quantkit.quantizers.QuantConfig`; ``scheme`` names the
+    combination when it is one of the :class:`Scheme` shorthands.
+    """
+
+    activation: str | None = None
+    dynamic: bool = False
+    granularity: str = "per-tensor"
+    ops: tuple[str, ...] | None = None
     observer: str = "minmax"
     weight_observer: str = "per_channel_minmax"
     skip: tuple[str, ...] = ()
@@ -50,19 +89,58 @@ class Recipe:
     accuracy_budget: float | None = None
     metric: str = "cosine"
 
+    @staticmethod
+    def from_args(args) -> "Recipe":
+        """Resolve ``--scheme`` against the explicit flags; conflicting combinations are usage errors."""
+        dynamic, granularity = args.dynamic, args.granularity
+        if args.scheme is not None:
+            scheme = Scheme(args.scheme)
+            if dynamic and not scheme.dynamic:
+                raise inputs.UsageError("--dynamic conflicts with --scheme w8a8 (static activations); drop one of them")
+            if granularity is not None and granularity != scheme.granularity:
+                raise inputs.UsageError(f"--granularity {granularity} conflicts with --scheme {scheme.value} "
+                                        f"({scheme.granularity}); drop one of them")
+            dynamic, granularity = scheme.dynamic, scheme.granularity
+        dynamic, granularity = bool(dynamic), granularity or "per-tensor"
+        if granularity == "per-token" and not dynamic:
+            raise inputs.UsageError("--granularity per-token needs --dynamic (per-token scales are chosen at run "
+                                    "time); add --dynamic or use --scheme w8a8-per-token")
+        if dynamic and args.observer is not None:
+            raise inputs.UsageError("--observer has no effect with dynamic activations (ranges are chosen at run "
+                                    "time); drop it")
+        ops = None
+        if args.ops is not None:
+            ops = tuple(sorted({o.strip() for o in args.ops.split(",") if o.strip()}))
+            if not ops:
+                raise inputs.UsageError("--ops needs at least one op family, e.g. --ops linear")
+        return Recipe(activation=args.activation, dynamic=dynamic, granularity=granularity, ops=ops,
+                      observer=args.observer or "minmax", weight_observer=args.weight_observer,
+                      skip=tuple(args.skip or ()), smoothquant=args.smoothquant,
+                      accuracy_budget=args.accuracy_budget, metric=args.metric)
+
     def __post_init__(self) -> None:
-        from quantkit import observers
         from quantkit._metrics import resolve_metric
         from quantkit._smoothquant import parse_alpha
+        from quantkit.quantizers import QUANTIZABLE_OPS
 
-        object.__setattr__(self, "scheme", Scheme(self.scheme))
-        for flag, name in (("--observer", self.observer), ("--weight-observer", self.weight_observer)):
-            try:
-                observers.get(name)
-            except ValueError:
-                raise inputs.UsageError(
-                    f"unknown observer {name!r} for {flag}; available: {', '.join(observers.available())}"
-                ) from None
+        for flag, name, role in (("--observer", self.observer, "activation"),
+                                 ("--weight-observer", self.weight_observer, "weight")):
+            usable = _usable(role)
+            if name.strip().lower().replace("-", "_") not in usable:
+                from quantkit import observers
+
+                known = name.strip().lower().replace("-", "_") in observers.available()
+                why = f"observer {name!r} cannot measure {role}s" if known else f"unknown observer {name!r}"
+                raise inputs.UsageError(f"{why} for {flag}; available: {', '.join(usable)}")
+        if self.ops is not None:
+            unknown = sorted(set(self.ops) - QUANTIZABLE_OPS)
+            if unknown:
+                raise inputs.UsageError(f"unknown op families {unknown} for --ops; choose from "
+                                        f"{', '.join(sorted(QUANTIZABLE_OPS))} (comma-separated)")
+        try:
+            self.config()
+        except ValueError as exc:
+            raise inputs.UsageError(_flag_wording(str(exc).splitlines()[0])) from None
         try:
             if self.smoothquant is not None:
                 object.__setattr__(self, "smoothquant", parse_alpha(str(self.smoothquant)))
@@ -73,8 +151,18 @@ class Recipe:
         except (ValueError, TypeError) as exc:
             raise inputs.UsageError(str(exc).splitlines()[0]) from None
 
+    @property
+    def scheme(self) -> str | None:
+        """The :class:`Scheme` shorthand this recipe's activation settings amount to, if any."""
+        if not self.dynamic:
+            return Scheme.W8A8.value
+        return (Scheme.W8A8_PER_TOKEN if self.granularity == "per-token" else Scheme.W8A8_DYNAMIC).value
+
     def to_json(self) -> dict:
-        return {"scheme": self.scheme.value, "observer": None if self.scheme.dynamic else self.observer,
+        cfg = self.config()
+        return {"scheme": self.scheme, "activation": cfg.activation.value, "dynamic": cfg.dynamic,
+                "granularity": cfg.granularity.value, "ops": sorted(cfg.ops),
+                "observer": None if self.dynamic else self.observer,
                 "weight_observer": self.weight_observer, "skip": list(self.skip),
                 "smoothquant": self.smoothquant, "accuracy_budget": self.accuracy_budget,
                 "metric": self.metric if self.accuracy_budget is not None else None}
@@ -83,12 +171,13 @@ class Recipe:
         """The W8A8 ``QuantConfig`` of this recipe."""
         from quantkit.quantizers import QuantConfig
 
-        return QuantConfig(act_observer=self.observer, weight_observer=self.weight_observer,
-                           dynamic=self.scheme.dynamic,
-                           granularity="per-token" if self.scheme is Scheme.W8A8_PER_TOKEN else "per-tensor")
+        kw = {} if self.ops is None else {"ops": frozenset(self.ops)}
+        return QuantConfig(activation=self.activation, act_observer=self.observer,
+                           weight_observer=self.weight_observer, dynamic=self.dynamic,
+                           granularity=self.granularity, **kw)
 
     def quantizer(self, module_names: list[str]):
-        """W8A8 for linear/conv/matmul plus weight-only int8 embeddings; ``skip`` patterns stay float."""
+        """W8A8 for the chosen op families plus weight-only int8 embeddings; ``skip`` patterns stay float."""
         from torchao.quantization.pt2e.quantizer import ComposableQuantizer
 
         from quantkit.quantizers import EmbeddingQuantizer, W8A8Quantizer
@@ -112,6 +201,17 @@ class Recipe:
         return out
 
 
+# QuantConfig's messages name its arguments; the CLI user knows the flags
+_FLAG_WORDS = (("pass dynamic=True", "add --dynamic"), ("activation=", "--activation "),
+               ("'symmetric-int8'", "--activation symmetric-int8"), ("granularity", "--granularity"))
+
+
+def _flag_wording(message: str) -> str:
+    for api, flag in _FLAG_WORDS:
+        message = message.replace(api, flag)
+    return message
+
+
 class _Clock:
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
@@ -125,27 +225,49 @@ class _Clock:
 
 def _check(args, recipe: Recipe):
     """Everything that can be checked without loading the model or the data."""
-    spec = inputs.ModelSpec.from_args(args.model, args.weights, args.example_input)
+    device = inputs.check_device(args.device)
+    spec = inputs.ModelSpec.from_args(args.model, args.weights, args.example_input, args.task)
     data = inputs.DataSpec.from_arg(args.calib)
     for flag, v, lo in (("--num-calib", args.num_calib, 1), ("--seq-len", args.seq_len, 2), ("--batch-size", args.batch_size, 1)):
         if v is not None and v < lo:
             raise inputs.UsageError(f"{flag} must be at least {lo}, got {v}")
-    if recipe.scheme.dynamic and args.observer is not None:
-        raise inputs.UsageError(f"--observer has no effect with --scheme {recipe.scheme.value} (activation ranges "
-                                "are chosen at run time); drop it")
-    inputs.check_not_input(Path(args.out), spec.input_paths() + ([Path(data.path)] if data.path else []))
-    out = _artifact.check_out_dir(args.out, overwrite=args.force, flag="--force", exists_error=inputs.UsageError)
+    out = Path(args.out)
+    inputs.check_not_input(out, spec.input_paths() + [data.file] + ([data.file.parent] if data.kind == "default" else []))
+    out = _artifact.check_out_dir(out, overwrite=args.force, flag="--force", exists_error=inputs.UsageError)
+    inputs.check_out_location(out)
     spec.check()
     if data.kind == "default" and not spec.is_hf:
         raise inputs.UsageError("a factory model needs --calib DIR (a directory of .pt/.npy/.safetensors tensors)")
-    return spec, data, out
+    return spec, data, out, device
+
+
+def _nonfinite_split(samples, origins, split: inputs.Split, skip: bool, what: str) -> tuple[inputs.Split, list[str]]:
+    """Leave samples holding NaN/inf out of the split (``skip``), or fail naming the first."""
+    bad = inputs.nonfinite(samples)
+    if bad and not skip:
+        raise QuantkitError(f"{what} sample {origins[bad[0]]} holds NaN or inf ({len(bad)} of {len(samples)} "
+                            "samples do); fix the data, or pass --skip-nonfinite to leave such samples out")
+    drop = set(bad)
+    kept = inputs.Split(calib=[i for i in split.calib if i not in drop],
+                        heldout=[i for i in split.heldout if i not in drop])
+    if bad and not kept.calib:
+        raise QuantkitError(f"every calibration sample holds NaN or inf ({len(bad)} of {len(samples)}); "
+                            "nothing is left to calibrate on: fix the data")
+    if bad and not kept.heldout:  # evaluate on what calibrates rather than on nothing
+        kept = inputs.Split(calib=kept.calib, heldout=kept.calib)
+    return kept, [origins[i] for i in bad]
+
+
+def _batches(samples, origins, indices, loaded, *, what, seq_len, batch_size, device):
+    picked = [samples[i] for i in indices]
+    where = [origins[i] for i in indices]
+    batches = inputs.make_batches(picked, loaded, what=what, seq_len=seq_len, batch_size=batch_size, origins=where)
+    return [inputs.to_device(b, device) for b in batches], [where[i:i + batch_size] for i in range(0, len(where), batch_size)]
 
 
 def run_quantize(args, say) -> int:
-    recipe = Recipe(scheme=args.scheme, observer=args.observer or "minmax",
-                    weight_observer=args.weight_observer, skip=tuple(args.skip or ()),
-                    smoothquant=args.smoothquant, accuracy_budget=args.accuracy_budget, metric=args.metric)
-    spec, data, out = _check(args, recipe)
+    recipe = Recipe.from_args(args)
+    spec, data, out, device = _check(args, recipe)
     progress = not args.quiet
     clock = _Clock()
 
@@ -153,15 +275,20 @@ def run_quantize(args, say) -> int:
     example_ndims = None
     if spec.kind == "factory":
         example_ndims = [len(s) for s, _ in inputs.parse_example_input(spec.example_input)]
-    samples = inputs.read_samples(data, example_ndims=example_ndims)
+    samples, origins = inputs.read_samples(data, example_ndims=example_ndims)
     split = inputs.split_samples(len(samples), num_calib=args.num_calib)
+    split, skipped = _nonfinite_split(samples, origins, split, args.skip_nonfinite, "calibration")
     t = clock.start
-    loaded = inputs.load_model(spec, progress=progress)
+    loaded = inputs.load_model(spec, progress=progress, allow_mismatch=args.allow_missing_weights)
+    if loaded.fit is not None and not loaded.fit.clean:  # printed even with --quiet: the numbers depend on it
+        print(f"warning: --allow-missing-weights: the checkpoint does not fit {loaded.fit.architecture}: "
+            f"{loaded.fit.summary()}; those tensors are randomly initialised")
+    loaded.model.to(device)
     module_names = [n for n, _ in loaded.model.named_modules()]
     quantizer = recipe.quantizer(module_names)
-    kw = dict(seq_len=args.seq_len, batch_size=args.batch_size)
-    calib = inputs.make_batches([samples[i] for i in split.calib], loaded, what="calibration", **kw)
-    heldout = inputs.make_batches([samples[i] for i in split.heldout], loaded, what="held-out", **kw)
+    kw = dict(seq_len=args.seq_len, batch_size=args.batch_size, device=device)
+    calib, _ = _batches(samples, origins, split.calib, loaded, what="calibration", **kw)
+    heldout, heldout_origins = _batches(samples, origins, split.heldout, loaded, what="held-out", **kw)
     t = clock.lap("load", t)
 
     import quantkit
@@ -173,7 +300,7 @@ def run_quantize(args, say) -> int:
 
             gm = quantkit.capture(loaded.model, calib[0], dynamic_shapes=_hf.dynamic_shapes(calib[0]))
         else:
-            gm = quantkit.capture(loaded.model, loaded.example)
+            gm = quantkit.capture(loaded.model, tuple(x.to(device) for x in loaded.example))
     t = clock.lap("capture", t)
     if recipe.smoothquant is not None:
         gm = quantkit.smooth_quant(gm, calib, alpha=recipe.smoothquant, config=recipe.config())
@@ -195,54 +322,66 @@ def run_quantize(args, say) -> int:
         qmodel = quantkit.convert(prepared)
         t = clock.lap("convert", t)
 
-    encoder = report.is_encoder_batch(heldout[0])
-    ref = report.outputs_of(loaded.model, heldout, progress=progress, desc="float model")
-    approx = report.outputs_of(qmodel, heldout, progress=progress, desc="int8 model")
-    metric = report.compare(ref, approx, encoder=encoder)
+    kind, scores = report.compare_models(loaded.model, {"int8": qmodel}, heldout, origins=heldout_origins,
+                                         progress=progress, desc="held-out")
+    metric = scores["int8"]
     records = qmodel.meta.get("quantkit_qparams", [])
     layers = report.layer_sqnr(loaded.model, qmodel, heldout[0], records)
     t = clock.lap("evaluate", t)
 
     with contextlib.redirect_stderr(io.StringIO()):
         program = _artifact.export_converted(qmodel)
+        if device.type != "cpu":  # artifacts are CPU programs: they load anywhere (eval --device moves them)
+            from torch.export.passes import move_to_device_pass
+
+            program = move_to_device_pass(program, "cpu")
     source = {"model": spec.to_json(), "data": data.to_json(), "fingerprint": inputs.fingerprint(data),
               "samples": len(samples), "heldout": split.heldout, "seq_len": args.seq_len,
-              "batch_size": args.batch_size}
+              "batch_size": args.batch_size, "output": kind,
+              "allow_missing_weights": bool(args.allow_missing_weights)}
     doc = _artifact.recipe_document(qmodel, recipe=recipe.to_json(), source=source)
     with _artifact.atomic_dir(out, overwrite=args.force, flag="--force") as tmp:
         model_file = _artifact.write_program(program, tmp)
-        _artifact.write_json(tmp / _artifact.RECIPE_FILE, doc)
+        _artifact.write_json(tmp / _artifact.RECIPE_FILE, report.json_safe(doc))
         if loaded.tokenizer is not None:
             loaded.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
         t = clock.lap("save", t)
         clock.times["total"] = round(time.perf_counter() - clock.start, 2)
         int8_bytes = model_file.stat().st_size
         rep = {
-            "model": _describe(spec),
+            "model": _describe(spec, loaded),
             "recipe": recipe.to_json(),
             "data": {"source": data.to_json(), "calibration_samples": len(split.calib),
                      "heldout_samples": len(split.heldout),
-                     "heldout_is_calibration": split.heldout == split.calib},
+                     "heldout_is_calibration": split.heldout == split.calib,
+                     "nonfinite_skipped": len(skipped), "nonfinite_examples": skipped[:5]},
             "metric": metric,
             "size": {"float_bytes": loaded.weight_bytes, "int8_bytes": int8_bytes,
                      "ratio": round(int8_bytes / max(loaded.weight_bytes, 1), 4)},
+            "device": str(device),
             "time_s": clock.times,
             "layers": layers,
             "versions": doc["versions"],
         }
+        if loaded.fit is not None and not loaded.fit.clean:
+            rep["weights_not_loaded"] = loaded.fit.to_json()
         if fallback is not None:
             rep["fallback"] = {"kept_float": [layer.label for layer in fallback.float_layers],
                                "drop": fallback.drop, "budget": fallback.budget, "met": fallback.met,
                                "int8_gemm_fraction": fallback.int8_gemm_fraction}
-        _artifact.write_json(tmp / REPORT_JSON, rep)
+        _artifact.write_json(tmp / REPORT_JSON, report.json_safe(rep))
         (tmp / REPORT_MD).write_text(report.render_report(rep), encoding="utf-8")
-    say(f"wrote {out}: {metric['name']} mean {metric['mean_cosine']:.4f} (min {metric['min_cosine']:.4f}) "
+    extra = f", top-1 agreement {metric['top1_agreement']:.4f}" if "top1_agreement" in metric else ""
+    note = f"; {len(skipped)} non-finite samples left out" if skipped else ""
+    say(f"wrote {out}: {metric['name']} mean {metric['mean_cosine']:.4f} (min {metric['min_cosine']:.4f}){extra} "
         f"on {metric['samples']} held-out samples, size {rep['size']['ratio']:.3f}x fp32, "
-        f"{clock.times['total']:.0f} s")
+        f"{clock.times['total']:.0f} s{note}")
     return 0
 
 
-def _describe(spec: inputs.ModelSpec) -> str:
+def _describe(spec: inputs.ModelSpec, loaded: inputs.LoadedModel) -> str:
     if spec.kind == "default":
         return "all-MiniLM-L6-v2 (bundled default)"
-    return spec.factory if spec.kind == "factory" else spec.path
+    if spec.kind == "factory":
+        return spec.factory
+    return f"{spec.path} ({type(loaded.model).__name__})"

@@ -11,10 +11,12 @@ import torch
 from torch.fx import GraphModule
 
 from . import _hf
+from ._errors import QuantkitError
 from ._inputs import call_model
 from ._scopes import module_scopes
 
-__all__ = ["outputs_of", "compare", "layer_sqnr", "render_report", "render_table", "sqnr_db"]
+__all__ = ["output_kind", "compare_models", "time_interleaved", "json_safe", "layer_sqnr", "render_report",
+           "render_table", "describe_recipe", "sqnr_db", "METRIC_NAMES"]
 
 aten = torch.ops.aten
 _LAYER_OPS = {
@@ -34,63 +36,187 @@ def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
     return 10 * math.log10(max(signal, 1e-300) / noise)
 
 
+# what a model's output is compared as; see output_kind
+EMBEDDING, LOGITS, TOKEN_LOGITS, OUTPUT = "embedding", "logits", "token-logits", "output"
+METRIC_NAMES = {EMBEDDING: "embedding cosine", LOGITS: "logits cosine",
+                TOKEN_LOGITS: "token logits cosine", OUTPUT: "output cosine"}
+
+
 def _first_tensor(out) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         return out
     if hasattr(out, "keys"):
-        out = list(out.values())
-    for v in out:
-        if isinstance(v, torch.Tensor):
-            return v
-    raise TypeError(f"the model returned no tensor ({type(out).__name__})")
+        out = [out[k] for k in out.keys()]
+    if isinstance(out, (tuple, list)):
+        for v in out:
+            if isinstance(v, torch.Tensor):
+                return v
+    raise QuantkitError(f"the model returned no tensor ({type(out).__name__}); it must return a tensor, "
+                        "or a tuple or dict holding one")
 
 
-def _rows(out, batch, embedding: bool) -> torch.Tensor:
-    """One vector per sample: the pooled sentence embedding for encoders, the flattened output otherwise."""
-    if embedding:
-        return _hf.embed(out, batch["attention_mask"])
-    t = _first_tensor(out)
-    return t.reshape(t.shape[0], -1).float()
+def _mask(batch):
+    return batch.get("attention_mask") if isinstance(batch, dict) else None
 
 
-def is_encoder_batch(batch) -> bool:
-    return isinstance(batch, dict) and "attention_mask" in batch
+def output_kind(out, batch) -> str:
+    """How outputs are compared: ``"embedding"`` (an encoder's ``last_hidden_state``, mean-pooled
+    over the real tokens: sentence embeddings), ``"logits"`` (one row per sample, e.g. a
+    classifier's ``[batch, labels]``), ``"token-logits"`` (``[batch, tokens, vocab]`` logits of
+    an LM or token classifier, compared per real token) or ``"output"`` (the first output
+    tensor, flattened per sample)."""
+    mask = _mask(batch)
+    keys = list(out.keys()) if hasattr(out, "keys") else []
+    if "logits" in keys and isinstance(out["logits"], torch.Tensor):
+        t = out["logits"]
+        if t.dim() == 3 and mask is not None and tuple(mask.shape) == tuple(t.shape[:2]):
+            return TOKEN_LOGITS
+        return LOGITS
+    if "last_hidden_state" in keys and mask is not None:
+        return EMBEDDING
+    return OUTPUT
 
 
-def outputs_of(model, batches: list, *, progress: bool, desc: str, timing: dict | None = None) -> torch.Tensor:
-    """Per-sample output rows of ``model`` over ``batches`` (see :func:`compare`).
+def _rows(kind: str, out, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows [R, D] float64, owner [R])``: the vectors compared by cosine and the sample
+    (within the batch) each belongs to."""
+    if kind == EMBEDDING:
+        rows = _hf.embed(out, batch["attention_mask"])
+    elif kind == TOKEN_LOGITS:
+        real = batch["attention_mask"].bool()
+        t = out["logits"]
+        rows = t[real]
+        owner = torch.arange(t.shape[0], device=t.device).unsqueeze(1).expand(real.shape)[real]
+        return rows.double(), owner
+    else:
+        t = out["logits"] if kind == LOGITS else _first_tensor(out)
+        rows = t.reshape(t.shape[0], -1)
+    return rows.double(), torch.arange(rows.shape[0], device=rows.device)
 
-    With ``timing``, the first batch is run once more as a warm-up and ``timing`` gets
-    the median wall time per batch and the throughput of the timed pass.
+
+class _Score:
+    """Running per-sample cosines, top-1 agreement and SQNR of one candidate against the reference."""
+
+    def __init__(self) -> None:
+        self.cos: list[torch.Tensor] = []
+        self.top1 = [0, 0]
+        self.signal = self.noise = 0.0
+
+    def add(self, ref: torch.Tensor, approx: torch.Tensor, owner: torch.Tensor, n: int, top1: bool) -> None:
+        tok = torch.nn.functional.cosine_similarity(ref, approx, dim=-1)
+        per_sample = torch.zeros(n, dtype=tok.dtype, device=tok.device).index_add_(0, owner, tok)
+        counts = torch.zeros(n, dtype=tok.dtype, device=tok.device).index_add_(0, owner, torch.ones_like(tok))
+        self.cos.append((per_sample / counts.clamp(min=1)).cpu())
+        if top1:
+            self.top1[0] += int((ref.argmax(-1) == approx.argmax(-1)).sum())
+            self.top1[1] += int(ref.shape[0])
+        self.signal += float(ref.pow(2).sum())
+        self.noise += float((ref - approx).pow(2).sum())
+
+    def result(self, kind: str) -> dict:
+        cos = torch.cat(self.cos)
+        out = {"name": METRIC_NAMES[kind], "samples": int(cos.numel()), "mean_cosine": float(cos.mean()),
+               "min_cosine": float(cos.min()),
+               "sqnr_db": math.inf if self.noise == 0 else 10 * math.log10(max(self.signal, 1e-300) / self.noise)}
+        if self.top1[1]:
+            out["top1_agreement"] = self.top1[0] / self.top1[1]
+        return out
+
+
+def _check_finite(rows: torch.Tensor, owner: torch.Tensor, origins: list[str], who: str) -> None:
+    bad = ~torch.isfinite(rows).all(dim=-1)
+    if bool(bad.any()):
+        i = int(owner[bad.nonzero()[0, 0]])
+        raise QuantkitError(
+            f"{who} produced NaN or inf for sample {origins[i]}; "
+            + ("check the model and its weights (quantkit measures against finite outputs only)" if who == "the float model"
+               else "keep the offending layers float with --skip, or try --scheme w8a8-dynamic"))
+
+
+def compare_models(reference, candidates: dict, batches: list, *, origins: list[list[str]], progress: bool,
+                   desc: str = "evaluating") -> tuple[str, dict]:
+    """Run the reference and each candidate on every batch; returns ``(kind, {name: metric})``.
+
+    Each metric has the per-sample cosine (``mean_cosine``, ``min_cosine``: for encoders the
+    sentence embeddings', for token logits the mean over a sample's real tokens), the SQNR of
+    the compared outputs and, for logits, the fraction of rows whose argmax agrees.
+
+    Raises:
+        QuantkitError: a model produced NaN or inf (naming the sample, from ``origins``).
     """
     from tqdm.auto import tqdm
 
-    rows, times, n = [], [], 0
+    scores = {name: _Score() for name in candidates}
+    kind = None
     with torch.no_grad():
-        if timing is not None:
-            call_model(model, _head(batches[0], 1))  # warm-up (allocator, lazy init), not timed
-        for b in tqdm(batches, desc=desc, unit="batch", disable=not progress, leave=False):
-            t0 = time.perf_counter()
-            out = call_model(model, b)
-            times.append(time.perf_counter() - t0)
-            n += _batch_size(b)
-            rows.append(_rows(out, b, is_encoder_batch(b)))
-    if timing is not None:
-        timing.update(median_ms_per_batch=round(1e3 * statistics.median(times), 2),
-                      samples_per_s=round(n / sum(times), 1), batches=len(times))
-    return torch.cat(rows)
+        for b, where in tqdm(list(zip(batches, origins)), desc=desc, unit="batch", disable=not progress, leave=False):
+            ref_out = call_model(reference, b)
+            kind = kind or output_kind(ref_out, b)
+            ref, owner = _rows(kind, ref_out, b)
+            real = owner < len(where)  # rows past the batch's samples fill it up to a static shape
+            ref, owner = ref[real], owner[real]
+            _check_finite(ref, owner, where, "the float model")
+            for name, model in candidates.items():
+                approx = _rows(kind, call_model(model, b), b)[0][real]
+                if approx.shape != ref.shape:
+                    raise QuantkitError(f"the {name} model's output has shape {tuple(approx.shape)} where the float "
+                                        f"model's has {tuple(ref.shape)}; they must be the same model")
+                _check_finite(approx, owner, where, f"the {name} model")
+                scores[name].add(ref, approx, owner, len(where), top1=kind in (LOGITS, TOKEN_LOGITS))
+    return kind, {name: sc.result(kind) for name, sc in scores.items()}
 
 
-def compare(ref: torch.Tensor, approx: torch.Tensor, *, encoder: bool) -> dict:
-    """Cosine per sample (mean and min) and the SQNR of the whole output."""
-    cos = _hf.cosine(ref, approx)
-    return {
-        "name": "embedding cosine" if encoder else "output cosine",
-        "samples": int(cos.numel()),
-        "mean_cosine": float(cos.mean()),
-        "min_cosine": float(cos.min()),
-        "sqnr_db": sqnr_db(ref, approx),
-    }
+def time_interleaved(models: dict, batches: list, *, min_calls: int = 12) -> dict:
+    """Median wall time per batch of each model, measured interleaved.
+
+    After one untimed warm-up pass over every batch (compilation, allocator), the models
+    take turns batch by batch, the first of each turn rotating, so drifts of the machine
+    (frequency, other load) fall on all of them alike. Every model after the first gets a
+    ``speedup`` over the first: the median of the per-batch time ratios.
+    """
+    names = list(models)
+    times = {n: [] for n in names}
+    rows = {n: [] for n in names}
+    with torch.no_grad():
+        for b in batches:
+            for n in names:
+                call_model(models[n], b)
+        rounds = max(1, math.ceil(min_calls / len(batches)))
+        turn = 0
+        for _ in range(rounds):
+            for b in batches:
+                order = names[turn % len(names):] + names[:turn % len(names)]
+                turn += 1
+                for n in order:
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    call_model(models[n], b)
+                    if torch.cuda.is_available():
+                        torch.cuda.synchronize()
+                    times[n].append(time.perf_counter() - t0)
+                    rows[n].append(_batch_size(b))
+    out = {n: {"median_ms_per_batch": round(1e3 * statistics.median(times[n]), 3),
+               "samples_per_s": round(statistics.median(r / t for r, t in zip(rows[n], times[n])), 1),
+               "batches": len(times[n])} for n in names}
+    # the median of per-batch ratios: each pair ran back to back on one batch, and a median
+    # is not moved by the odd call another process slowed down
+    base = names[0]
+    for n in names[1:]:
+        out[n]["speedup"] = round(statistics.median(a / b for a, b in zip(times[base], times[n]) if b > 0), 3)
+    return out
+
+
+def json_safe(value):
+    """``value`` with every non-finite float replaced by None, so that it is standard JSON
+    (an infinite SQNR — identical outputs — is written as null)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def _layer_nodes(gm: GraphModule) -> dict[str, torch.fx.Node]:
@@ -126,7 +252,8 @@ def _flat_inputs(gm: GraphModule, batch) -> list:
     names = [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
     missing = [n for n in names if n not in batch]
     if missing:
-        raise KeyError(f"the batch has no input(s) {missing} that the graph takes")
+        raise QuantkitError(f"the batch has no input(s) {missing} that the int8 graph takes; "
+                            "give every sample the inputs the model was quantized with")
     return [batch[n] for n in names]
 
 
@@ -194,21 +321,41 @@ def render_table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join([line(columns), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in cells])
 
 
+def describe_recipe(r: dict) -> str:
+    """One sentence naming a recipe's choices (report.md, inspect)."""
+    act = (f"dynamic {r.get('activation')} activations ({r.get('granularity')})" if r.get("dynamic")
+           else f"static {r.get('activation')} activations (observer `{r.get('observer')}`)")
+    return (f"scheme `{r.get('scheme')}`: int8 weights (observer `{r.get('weight_observer')}`), {act}, "
+            f"ops {', '.join(r.get('ops') or [])}")
+
+
 def render_report(report: dict) -> str:
     """report.md from report.json's dictionary."""
-    m, s, r = report["metric"], report["size"], report["recipe"]
-    lines = [
-        f"# quantkit int8 report: {report['model']}",
+    m, s, r, d = report["metric"], report["size"], report["recipe"], report["data"]
+    accuracy = {"metric": m["name"], "mean cosine": m["mean_cosine"], "min cosine": m["min_cosine"],
+                "SQNR (dB)": m["sqnr_db"], "samples": m["samples"]}
+    cols = ["metric", "mean cosine", "min cosine", "SQNR (dB)", "samples"]
+    if "top1_agreement" in m:
+        accuracy["top-1 agreement"] = m["top1_agreement"]
+        cols.insert(4, "top-1 agreement")
+    lines = [f"# quantkit int8 report: {report['model']}", ""]
+    fit = report.get("weights_not_loaded")
+    if fit:
+        summary = ", ".join(f"{len(fit[k])} {k}" for k in ("missing", "unexpected", "mismatched") if fit[k])
+        lines += [f"**Warning: the checkpoint does not fit {fit['architecture']} ({summary}); it was quantized "
+                  "with --allow-missing-weights, so those tensors are randomly initialised.**", ""]
+    lines += [
+        f"Recipe: {describe_recipe(r)}; {d['calibration_samples']} calibration samples "
+        f"(held out: {d['heldout_samples']}), skipped: {', '.join(r['skip']) or 'nothing'}.",
         "",
-        f"Recipe: scheme `{r['scheme']}`, activation observer `{r['observer']}`, weight observer "
-        f"`{r['weight_observer']}`, {report['data']['calibration_samples']} calibration samples "
-        f"(held out: {report['data']['heldout_samples']}), skipped: {', '.join(r['skip']) or 'nothing'}.",
-        "",
+    ]
+    if d.get("nonfinite_skipped"):
+        lines += [f"{d['nonfinite_skipped']} samples holding NaN or inf were left out (--skip-nonfinite), "
+                  f"e.g. {', '.join(d['nonfinite_examples'])}.", ""]
+    lines += [
         "## Accuracy on the held-out split",
         "",
-        render_table([{"metric": m["name"], "mean cosine": m["mean_cosine"], "min cosine": m["min_cosine"],
-                       "SQNR (dB)": m["sqnr_db"], "samples": m["samples"]}],
-                     ["metric", "mean cosine", "min cosine", "SQNR (dB)", "samples"]),
+        render_table([accuracy], cols),
         "",
         "## Size",
         "",
@@ -222,7 +369,7 @@ def render_report(report: dict) -> str:
         "## Per-layer output SQNR",
         "",
         "Each layer's output in the int8 model against the float model on one held-out batch "
-        "(errors of earlier layers included).",
+        "(errors of earlier layers included; inf: identical).",
         "",
         render_table(report["layers"], ["layer", "op", "weight", "sqnr_db"]),
         "",

@@ -6,7 +6,9 @@ measure all-MiniLM-L6-v2 the same way (mean-pooled, L2-normalised embeddings).
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,6 +19,11 @@ __all__ = [
     "default_model_path",
     "default_calibration_file",
     "load_hf_model",
+    "load_hf_checkpoint",
+    "model_class",
+    "LoadReport",
+    "TASKS",
+    "TASK_CHOICES",
     "check_hf_dir",
     "check_safetensors",
     "WEIGHT_FILES",
@@ -49,36 +56,178 @@ def default_calibration_file() -> Path:
     return Path(calibration_data.__file__).parent / "sentences.txt"
 
 
-def load_hf_model(path: str | os.PathLike, *, progress: bool = True):
-    """Load an HF model directory offline; returns ``(model, tokenizer)`` (tokenizer may be None).
+# --task names → transformers' Auto classes; "auto" takes config.json's `architectures`
+TASKS = {
+    "feature-extraction": "AutoModel",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "masked-lm": "AutoModelForMaskedLM",
+    "causal-lm": "AutoModelForCausalLM",
+}
+TASK_CHOICES = ("auto", *TASKS)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """How a checkpoint's tensors fit the model class that loads it (names as transformers gives them)."""
+
+    architecture: str
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+    mismatched: tuple[tuple[str, tuple, tuple], ...] = ()  # (name, checkpoint shape, model shape)
+
+    @property
+    def clean(self) -> bool:
+        return not (self.missing or self.unexpected or self.mismatched)
+
+    def summary(self, first: int = 3) -> str:
+        """``2 missing (a, b), 1 mis-shaped (c: checkpoint [4, 32], model [3, 32])``."""
+        def names(keys):
+            shown = ", ".join(keys[:first])
+            return shown + (", ..." if len(keys) > first else "")
+
+        parts = []
+        if self.missing:
+            parts.append(f"{len(self.missing)} missing ({names(self.missing)})")
+        if self.unexpected:
+            parts.append(f"{len(self.unexpected)} unexpected ({names(self.unexpected)})")
+        if self.mismatched:
+            shown = [f"{k}: checkpoint {list(a)}, model {list(b)}" for k, a, b in self.mismatched]
+            parts.append(f"{len(self.mismatched)} mis-shaped ({names(shown)})")
+        return ", ".join(parts)
+
+    def to_json(self) -> dict:
+        return {"architecture": self.architecture, "missing": list(self.missing), "unexpected": list(self.unexpected),
+                "mismatched": [{"name": k, "checkpoint": list(a), "model": list(b)} for k, a, b in self.mismatched]}
+
+
+def _config_json(path: Path) -> dict:
+    try:
+        doc = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise QuantkitError(f"{str(path / 'config.json')!r} is not readable JSON ({type(exc).__name__}); "
+                            "re-save the model with save_pretrained") from None
+    if not isinstance(doc, dict):
+        raise QuantkitError(f"{str(path / 'config.json')!r} is not a JSON object; re-save the model with save_pretrained")
+    return doc
+
+
+def model_class(path: str | os.PathLike, task: str = "auto"):
+    """The transformers class that loads ``path`` for ``task``; returns ``(cls, task)``.
+
+    ``"auto"`` is the first of config.json's ``architectures`` (so a
+    ``BertForSequenceClassification`` checkpoint keeps its classifier and a causal LM its
+    ``lm_head``); without ``architectures`` it is ``"feature-extraction"`` (``AutoModel``).
+    Only classes transformers itself provides are used: custom code is never run.
+
+    Raises:
+        QuantkitError: an unknown task, or an architecture transformers does not provide.
+    """
+    import transformers
+
+    path = Path(path)
+    if task not in TASK_CHOICES:
+        raise QuantkitError(f"unknown task {task!r}; choose one of: {', '.join(TASK_CHOICES)}")
+    if task != "auto":
+        return getattr(transformers, TASKS[task]), task
+    archs = _config_json(path).get("architectures")
+    if archs is None or archs == []:
+        return transformers.AutoModel, "feature-extraction"
+    name = archs[0] if isinstance(archs, list) else None
+    cls = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise QuantkitError(
+            f"config.json in {str(path)!r} names the architecture {archs[0] if isinstance(archs, list) else archs!r}, "
+            f"which transformers {transformers.__version__} does not provide (custom model code is never run); "
+            f"pass --task with one of: {', '.join(TASKS)}")
+    return cls, "auto"
+
+
+def _benign(model, keys: set[str]) -> set[str]:
+    """Unexpected checkpoint keys that are non-persistent buffers of the model (e.g. the
+    ``position_ids`` older BERT checkpoints stored): recomputed at init, never loaded."""
+    persistent = set(model.state_dict())
+    transient = {n for n, _ in model.named_buffers() if n not in persistent}
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    strip = lambda k: k[len(prefix) + 1:] if prefix and k.startswith(prefix + ".") else k  # noqa: E731
+    transient |= {strip(n) for n in transient}
+    return {k for k in keys if k in transient or strip(k) in transient}
+
+
+def load_hf_checkpoint(path: str | os.PathLike, *, task: str = "auto", progress: bool = True,
+                       allow_mismatch: bool = False):
+    """Load an HF model directory offline, checking that its weights fit the model class.
 
     Args:
         path: a directory with config.json and model.safetensors or pytorch_model.bin.
+        task: a :data:`TASK_CHOICES` name (see :func:`model_class`).
         progress: show transformers' weight-loading progress bar.
+        allow_mismatch: load even when tensors are missing, unexpected or mis-shaped
+            (missing and mis-shaped ones are randomly initialised, seeded with 0).
+
+    Returns:
+        ``(model, tokenizer or None, LoadReport)``; the model is in eval mode.
 
     Raises:
-        QuantkitError: a missing directory, no config.json, no weights, or weights that
-            cannot be read — each with a one-line message.
+        QuantkitError: bad directory or weights, or (without ``allow_mismatch``) a
+            checkpoint whose tensors do not fit the class: the message names the first few
+            and counts them.
     """
     path = Path(path)
     check_hf_dir(path)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
 
+    cls, _ = model_class(path, task)
     transformers.logging.set_verbosity_error()
     if progress:
         transformers.utils.logging.enable_progress_bar()
     else:
         transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(0)  # weights the checkpoint lacks (allow_mismatch) are the same in quantize and eval
     try:
-        model = transformers.AutoModel.from_pretrained(path, local_files_only=True).eval()
+        model, info = cls.from_pretrained(path, local_files_only=True, output_loading_info=True,
+                                          ignore_mismatched_sizes=True, trust_remote_code=False)
     except Exception as exc:  # transformers raises many types
         first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
         raise QuantkitError(f"could not load the model in {str(path)!r}: {first.strip()}") from exc
+    model.eval()
+    unexpected = set(info.get("unexpected_keys") or ()) - _benign(model, set(info.get("unexpected_keys") or ()))
+    rep = LoadReport(
+        architecture=type(model).__name__,
+        missing=tuple(sorted(info.get("missing_keys") or ())),
+        unexpected=tuple(sorted(unexpected)),
+        mismatched=tuple(sorted((str(k), tuple(a), tuple(b)) for k, a, b in info.get("mismatched_keys") or ())),
+    )
+    errors = [e for e in info.get("error_msgs") or () if str(e).strip()]
+    if errors:
+        raise QuantkitError(f"could not load the weights in {str(path)!r}: {str(errors[0]).splitlines()[0]}")
+    if not rep.clean and not allow_mismatch:
+        raise QuantkitError(
+            f"the weights in {str(path)!r} do not fit {rep.architecture}: {rep.summary()}; "
+            "pass the --task the checkpoint was trained for, fix config.json or the weights, "
+            "or pass --allow-missing-weights to run with those tensors randomly initialised")
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception:
         tokenizer = None
+    return model, tokenizer, rep
+
+
+def load_hf_model(path: str | os.PathLike, *, progress: bool = True, task: str = "feature-extraction"):
+    """Load an HF model directory offline; returns ``(model, tokenizer)`` (tokenizer may be None).
+
+    Args:
+        path: a directory with config.json and model.safetensors or pytorch_model.bin.
+        progress: show transformers' weight-loading progress bar.
+        task: ``"feature-extraction"`` (``AutoModel``, the encoder without heads), another
+            :data:`TASKS` name, or ``"auto"`` (config.json's architecture).
+
+    Raises:
+        QuantkitError: a missing directory, no config.json, no weights, weights that cannot
+            be read or do not fit the model class — each with a one-line message.
+    """
+    model, tokenizer, _ = load_hf_checkpoint(path, task=task, progress=progress)
     return model, tokenizer
 
 
@@ -165,11 +314,17 @@ def tokenize(tokenizer, sentences: list[str], *, seq_len: int = 128, batch_size:
     return batches
 
 
-def dynamic_shapes(batch: dict) -> dict:
-    """``torch.export`` dynamic shapes for a tokenized batch: batch size and sequence length both vary."""
+def dynamic_shapes(batch):
+    """``torch.export`` dynamic shapes for a tokenized batch: batch size and sequence length both
+    vary (dims 0 and 1 of 2-D inputs, dim 0 of others). A tuple batch gets a tuple."""
     from torch.export import Dim
 
-    return {k: ({0: Dim.AUTO, 1: Dim.AUTO} if v.dim() == 2 else {0: Dim.AUTO}) for k, v in batch.items()}
+    def dims(v):
+        return {0: Dim.AUTO, 1: Dim.AUTO} if v.dim() == 2 else {0: Dim.AUTO}
+
+    if isinstance(batch, dict):
+        return {k: dims(v) for k, v in batch.items()}
+    return tuple(dims(v) for v in batch)
 
 
 def embed(output, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import sys
 import warnings
 
@@ -30,7 +31,19 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageExit(f"{message} (see {self.prog} --help)")
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _observer_help(role: str) -> str:
+    try:
+        from ._cli_quantize import observer_roles
+
+        return ", ".join(n for n, r in observer_roles().items() if role in r)
+    except Exception:  # help must print even if the registry cannot be read
+        return "see quantkit.observers.available()"
+
+
+_TASKS = ("auto", "feature-extraction", "sequence-classification", "token-classification", "masked-lm", "causal-lm")
+
+
+def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
     parser = _Parser(prog="quantkit", description="int8 post-training quantization for PyTorch checkpoints")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="{quantize,inspect,eval}")
@@ -39,8 +52,19 @@ def _build_parser() -> argparse.ArgumentParser:
                        description="Quantize MODEL to int8 and write DIR: model.pt2, quantization.json, "
                                    "report.md and report.json.")
     q.add_argument("model", nargs="?", metavar="MODEL",
-                   help="an HF model directory, or package.module:factory; default: the bundled all-MiniLM-L6-v2")
-    q.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist unless --force)")
+                   help="an HF model directory, or package.module:factory (imported as named, from the current "
+                        "directory too); default: the bundled all-MiniLM-L6-v2")
+    q.add_argument("--out", required=True, metavar="DIR",
+                   help="output directory (must not exist unless --force, nor lie inside an input)")
+    q.add_argument("--task", choices=_TASKS, default="auto", metavar="TASK",
+                   help="HF models: which head to load. auto (default): the architecture in config.json, so a "
+                        "classifier keeps its classifier and a causal LM its lm_head; or one of "
+                        + ", ".join(_TASKS[1:]) + ". The bundled model is feature-extraction (sentence embeddings)")
+    q.add_argument("--device", metavar="NAME", help="calibrate and evaluate on cpu (default), cuda or cuda:N; "
+                   "the artifact is saved for CPU either way")
+    q.add_argument("--allow-missing-weights", action="store_true",
+                   help="quantize even when checkpoint tensors are missing, unexpected or mis-shaped (they are "
+                        "randomly initialised, seed 0); the report says so")
     src = q.add_argument_group("factory models")
     src.add_argument("--weights", metavar="FILE", help="a .safetensors or .pt state dict for the factory's model")
     src.add_argument("--example-input", metavar="SHAPE:DTYPE",
@@ -52,13 +76,28 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="calibrate on at most N samples (default: all but the held-out 20%%)")
     data.add_argument("--seq-len", type=int, default=128, metavar="L", help="truncate text to L tokens (default 128)")
     data.add_argument("--batch-size", type=int, default=32, metavar="B", help="batch size (default 32)")
-    recipe = q.add_argument_group("recipe")
-    recipe.add_argument("--scheme", choices=["w8a8", "w8a8-dynamic", "w8a8-per-token"], default="w8a8",
-                        help="static int8 activations (calibrated, default w8a8), dynamic per tensor, or "
-                             "dynamic per token (most accurate on transformers, with --smoothquant 0.5)")
-    recipe.add_argument("--observer", metavar="NAME", help="activation observer (default minmax)")
+    data.add_argument("--skip-nonfinite", action="store_true",
+                      help="leave out samples holding NaN or inf (counted in the report) instead of failing")
+    recipe = q.add_argument_group("recipe (the fields of quantkit.quantizers.QuantConfig)")
+    recipe.add_argument("--scheme", choices=["w8a8", "w8a8-dynamic", "w8a8-per-token"],
+                        help="shorthand: w8a8 (static, calibrated activations; the default), w8a8-dynamic "
+                             "(= --dynamic) or w8a8-per-token (= --dynamic --granularity per-token)")
+    recipe.add_argument("--activation", choices=["affine-uint8", "symmetric-int8", "affine-uint7"],
+                        help="activation integers (default affine-uint8 static, symmetric-int8 dynamic); "
+                             "affine-uint7 lets oneDNN run exactly on CPUs without VNNI")
+    recipe.add_argument("--dynamic", action="store_true", default=None,
+                        help="quantize activations at run time instead of calibrating them")
+    recipe.add_argument("--granularity", choices=["per-tensor", "per-token"],
+                        help="activation scales per tensor (default) or per token (needs --dynamic)")
+    recipe.add_argument("--ops", metavar="LIST",
+                        help="op families to quantize, comma-separated: linear, conv, matmul, add "
+                             "(default linear,conv,matmul; CPU recipe: --activation affine-uint7 --ops linear)")
+    recipe.add_argument("--observer", metavar="NAME",
+                        help="activation observer (default minmax)"
+                             + (f"; one of {_observer_help('activation')}" if observers else ""))
     recipe.add_argument("--weight-observer", default="per_channel_minmax", metavar="NAME",
-                        help="weight observer (default per_channel_minmax)")
+                        help="weight observer (default per_channel_minmax)"
+                             + (f"; one of {_observer_help('weight')}" if observers else ""))
     recipe.add_argument("--skip", nargs="+", action="extend", metavar="PATTERN",
                         help="keep modules whose names match these fnmatch patterns in float, e.g. 'pooler*'")
     acc = q.add_argument_group("accuracy")
@@ -77,13 +116,30 @@ def _build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="compare an artifact with its float model: metric and latency",
                        description="Rebuild the float model DIR came from and compare: mean/min cosine "
-                                   "(sentence embeddings for encoders, outputs otherwise) and latency.")
+                                   "(sentence embeddings for encoders, logits or outputs otherwise) and latency, "
+                                   "compiled int8 against compiled float by default. eval never imports code an "
+                                   "artifact names: a factory model is rebuilt only from --model.")
     e.add_argument("dir", metavar="DIR")
+    e.add_argument("--model", metavar="MODEL",
+                   help="the float model to compare with: an HF model directory or package.module:factory "
+                        "(required for artifacts of factory models; default: the HF model DIR records)")
+    e.add_argument("--weights", metavar="FILE", help="with a factory --model: its state dict (default: as recorded)")
+    e.add_argument("--example-input", metavar="SHAPE:DTYPE",
+                   help="with a factory --model: its input (default: as recorded)")
+    e.add_argument("--task", choices=_TASKS, metavar="TASK", help="with an HF --model: which head (default: as recorded)")
     e.add_argument("--data", metavar="PATH",
                    help="evaluate on this text file or tensor directory (default: the held-out split)")
     e.add_argument("--num", type=int, metavar="N", help="evaluate on at most N samples")
     e.add_argument("--batch-size", type=int, metavar="B", help="batch size (default: as in quantize)")
-    e.add_argument("--compile", action="store_true", help="also time quantkit.compile(int8) where available")
+    e.add_argument("--device", metavar="NAME", help="run on cpu (default), cuda or cuda:N")
+    e.add_argument("--skip-nonfinite", action="store_true",
+                   help="leave out samples holding NaN or inf (counted) instead of failing")
+    comp = e.add_mutually_exclusive_group()
+    comp.add_argument("--no-compile", dest="compile", action="store_false",
+                      help="time the eager float model and the reference q/dq int8 graph instead of compiled ones")
+    comp.add_argument("--compile", dest="compile", action="store_true",
+                      help="compile both models (the default; kept for old command lines)")
+    e.set_defaults(compile=True)
     e.add_argument("--json", action="store_true", help="print the results as JSON")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
@@ -113,9 +169,33 @@ def _quiet_torch_logs():
             lg.setLevel(level)
 
 
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-_]")
+# errors of the Python API name API calls; a CLI user gets the command-line equivalent
+_CLI_WORDING = (
+    (re.compile(r"run quantkit\.calibrate\(prepared, data\) before convert"),
+     "calibrate on data that reaches it (--calib) or keep that layer float with --skip"),
+    (re.compile(r"call quantkit\.prepare\(model, quantizer\) before convert"),
+     "nothing is quantized: check --ops and --skip"),
+    (re.compile(r"pad or crop it to the example's shape, or pass dynamic_shapes to quantkit\.capture"),
+     "give every sample the shape of --example-input"),
+    (re.compile(r"a dimension you marked dynamic is fixed by the model; pass dynamic_shapes explicitly"),
+     "a dimension that varies between samples is fixed by the model; give every sample the same shape"),
+    (re.compile(r"or pass dynamic_shapes explicitly"), "and check that the samples are the model's inputs"),
+    (re.compile(r"check that example_inputs match the model's forward\(\) signature"),
+     "check that the samples (--calib, --example-input) match the model's forward() signature"),
+)
+# "RuntimeError: ..." inside a message is Python's wording, not ours
+_RAW_TYPES = re.compile(r"\b(?:[A-Za-z_][\w.]*\.)?(?:RuntimeError|IndexError|KeyError|AttributeError|TypeError|"
+                        r"ValueError|AssertionError|NotImplementedError|ZeroDivisionError|OverflowError|"
+                        r"ImportError|ModuleNotFoundError|StopIteration|Exception|UserError|Unsupported)\b:\s*")
+
+
 def _one_line(exc: BaseException) -> str:
-    text = " ".join(ln.strip() for ln in str(exc).splitlines() if ln.strip())
-    return text or type(exc).__name__
+    text = _ANSI.sub("", str(exc))
+    text = " ".join(ln.strip() for ln in text.splitlines() if ln.strip())
+    for pattern, words in _CLI_WORDING:
+        text = pattern.sub(words, text)
+    return _RAW_TYPES.sub("", text) or "no message"
 
 
 def _run(args) -> int:
@@ -133,11 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ``quantkit`` command line; returns the exit code."""
     _silence_imports()
     debug = bool(os.environ.get("QUANTKIT_DEBUG"))
-    parser = _build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _build_parser(observers=any(a in ("-h", "--help") for a in argv))
     try:
         args = parser.parse_args(argv)
     except _UsageExit as exc:
-        print(f"quantkit: error: {exc}", file=sys.stderr)
+        print(f"quantkit: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
@@ -170,11 +251,14 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(exc, UsageError):
                 print(f"quantkit: error: {_one_line(exc)}", file=sys.stderr)
                 return EXIT_USAGE
-            if isinstance(exc, (QuantkitError, ValueError, TypeError, OSError)):
+            if isinstance(exc, (QuantkitError, ValueError, TypeError)):  # user errors of the API, one line
                 print(f"quantkit: error: {_one_line(exc)}", file=sys.stderr)
+            elif isinstance(exc, OSError) and exc.strerror:
+                where = f" ({exc.filename})" if exc.filename else ""
+                print(f"quantkit: error: {exc.strerror}{where}; check the path and its permissions", file=sys.stderr)
             else:  # a bug in quantkit or in the model: still one line, with how to see more
-                print(f"quantkit: error: {type(exc).__name__}: {_one_line(exc)} "
-                      "(set QUANTKIT_DEBUG=1 for the traceback)", file=sys.stderr)
+                print(f"quantkit: error: unexpected failure ({_one_line(exc)}); set QUANTKIT_DEBUG=1 for the "
+                      "traceback and report it", file=sys.stderr)
             return EXIT_FAILED
 
 

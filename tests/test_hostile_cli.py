@@ -1,0 +1,547 @@
+"""Adversarial command lines and files for ``quantkit quantize / eval / inspect``.
+
+Every case checks the exit code, that stderr is exactly one line (no traceback, no ANSI
+escape, no raw ``IndexError:``-style exception text), that the inputs are byte-for-byte
+unchanged, and that no output (or temporary directory) is left behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantkit import _hf
+from quantkit.cli import main
+
+transformers = pytest.importorskip("transformers")
+
+RAW_EXCEPTION = re.compile(r"\b(IndexError|AttributeError|RuntimeError|KeyError|TypeError|ValueError|"
+                           r"AssertionError|NotImplementedError)\b:")
+# bad command lines must fail before anything heavy runs (measured: < 2 s; generous for a loaded CI box)
+FAST_S = 10
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+def _tree(path: Path) -> dict[str, str]:
+    """sha256 of every file under ``path`` (or of ``path`` itself), keyed by relative name."""
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return {str(p.relative_to(path) if p != path else p.name): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in files}
+
+
+def _error(err: str) -> str:
+    """The single error line; fails on anything else on stderr."""
+    lines = [ln for ln in err.split("\n") if ln.strip()]
+    assert len(lines) == 1, f"expected exactly one stderr line, got {lines!r}"
+    line = lines[0]
+    assert "\r" not in line and "\x1b" not in line, repr(line)
+    assert "Traceback" not in err
+    assert not RAW_EXCEPTION.search(line), line
+    assert line.startswith("quantkit: error: "), line
+    return line
+
+
+def _no_leftovers(out: Path) -> None:
+    assert not out.exists(), f"{out} was left behind"
+    parent = out.parent
+    while not parent.exists():
+        parent = parent.parent
+    assert not [p.name for p in parent.iterdir() if p.name.startswith(f".{out.name}.")], "temporary dir left"
+
+
+def _fails(argv: list[str], capsys, *, code: int, inputs: list[Path] = (), out: Path | None = None) -> str:
+    """Run the CLI in-process, check the failure contract, return the error line."""
+    before = {str(p): _tree(p) for p in inputs}
+    rc = main(argv)
+    captured = capsys.readouterr()
+    line = _error(captured.err)
+    assert rc == code, (rc, line)
+    for p in inputs:
+        assert _tree(p) == before[str(p)], f"input {p} changed"
+    if out is not None:
+        _no_leftovers(out)
+    return line
+
+
+# --- fixtures ------------------------------------------------------------------------------
+
+_TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _tiny_bert(directory: Path, cls=None, num_labels: int = 3) -> Path:
+    """A random-weight BERT (2 layers, hidden 32) with all-MiniLM-L6-v2's tokenizer."""
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                  vocab_size=30522, max_position_embeddings=128, num_labels=num_labels)
+    (cls or transformers.BertForSequenceClassification)(cfg).save_pretrained(str(directory), safe_serialization=True)
+    for f in _TOKENIZER_FILES:
+        shutil.copy(_hf.default_model_path() / f, directory / f)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory) -> Path:
+    return _tiny_bert(tmp_path_factory.mktemp("bert") / "bert-cls")
+
+
+@pytest.fixture
+def bert_copy(bert_dir, tmp_path) -> Path:
+    d = tmp_path / "model"
+    shutil.copytree(bert_dir, d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def sentences(tmp_path_factory) -> Path:
+    f = tmp_path_factory.mktemp("text") / "sentences.txt"
+    lines = _hf.read_sentences(_hf.default_calibration_file())[:20]
+    f.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return f
+
+
+def _edit_safetensors(model_dir: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(model_dir / "model.safetensors"))
+    edit(sd)
+    save_file(sd, str(model_dir / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def mlp_files(tmp_path_factory):
+    from safetensors.torch import save_file
+
+    from tests.cli_factories import mlp
+
+    d = tmp_path_factory.mktemp("mlp")
+    torch.manual_seed(1)
+    save_file(mlp().state_dict(), str(d / "mlp.safetensors"))
+    calib = d / "calib"
+    calib.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    for i in range(3):
+        torch.save(torch.randn(8, 64, generator=gen), calib / f"b{i}.pt")
+    return d / "mlp.safetensors", calib
+
+
+def _mlp_args(weights, calib, out, *extra, factory="tests.cli_factories:mlp"):
+    return ["quantize", factory, "--weights", str(weights), "--example-input", "8x64:float32",
+            "--calib", str(calib), "--out", str(out), "--quiet", *extra]
+
+
+@pytest.fixture(scope="module")
+def mlp_artifact(mlp_files, tmp_path_factory) -> Path:
+    weights, calib = mlp_files
+    out = tmp_path_factory.mktemp("art") / "mlp-int8"
+    assert main(_mlp_args(weights, calib, out)) == 0
+    return out
+
+
+@pytest.fixture
+def artifact(mlp_artifact, tmp_path) -> Path:
+    d = tmp_path / "artifact"
+    shutil.copytree(mlp_artifact, d)
+    return d
+
+
+def _edit_json(path: Path, edit) -> None:
+    doc = json.loads(path.read_text())
+    doc = edit(doc) or doc
+    path.write_text(json.dumps(doc))
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the bad input was noticed")
+
+    monkeypatch.setattr(_hf, "load_hf_checkpoint", refuse)
+
+
+# --- 13.2: eval never imports code an artifact names ---------------------------------------------
+
+_EVIL = '''
+import pathlib
+pathlib.Path({marker!r}).write_text("imported")
+
+def build():
+    from tests.cli_factories import mlp
+    return mlp()
+'''
+
+
+def _plant(artifact: Path, where: Path) -> Path:
+    """An importable module ``quantkit_evil`` in ``where`` that writes a marker when imported,
+    and a quantization.json naming it as the factory of the float model."""
+    marker = where / "MARKER"
+    (where / "quantkit_evil.py").write_text(_EVIL.format(marker=str(marker)))
+    _edit_json(artifact / "quantization.json",
+               lambda d: d["source"]["model"].update(factory="quantkit_evil:build"))
+    return marker
+
+
+def test_eval_does_not_import_the_factory_an_artifact_names(artifact, tmp_path, monkeypatch, capsys):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    marker = _plant(artifact, cwd)
+    monkeypatch.chdir(cwd)
+    monkeypatch.syspath_prepend(str(cwd))  # importable: only eval's refusal keeps it from running
+    line = _fails(["eval", str(artifact), "--quiet"], capsys, code=2, inputs=[artifact])
+    assert "--model quantkit_evil:build" in line and "does not import code" in line, line
+    assert not marker.exists(), "eval imported a module named by quantization.json"
+    # asked explicitly, the same factory is imported (the positive control for the marker)
+    assert main(["eval", str(artifact), "--model", "quantkit_evil:build", "--no-compile", "--json", "--quiet"]) == 0
+    assert marker.exists()
+    res = json.loads(capsys.readouterr().out)
+    assert res["metric"]["mean_cosine"] > 0.999, res
+
+
+def test_eval_console_script_in_a_hostile_directory(artifact, tmp_path):
+    """The real executable, run from the directory holding the module (``''`` on sys.path)."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    marker = _plant(artifact, cwd)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    proc = subprocess.run([sys.executable, "-m", "quantkit", "eval", str(artifact), "--quiet"],
+                          capture_output=True, text=True, cwd=cwd, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "--model" in _error(proc.stderr)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("command, edit, needle", [
+    ("eval", lambda d: d["source"].update(model=["x"]), "source.model is list"),
+    ("eval", lambda d: d["source"]["model"].update(kind="plugin"), "kind 'plugin'"),
+    ("eval", lambda d: d["source"]["model"].update(factory="os:system; rm -rf /"), "is not package.module:factory"),
+    ("eval", lambda d: d["source"]["model"].update(task=7), "'task' is int"),
+    ("eval-recorded", lambda d: d["source"].update(model={"kind": "hf", "path": "/nonexistent/model"}),
+     "does not exist"),
+    ("eval", lambda d: d["source"].update(heldout="abc"), "source.heldout"),
+    ("eval", lambda d: d["source"].update(heldout=[0, 10**6]), "source.heldout"),
+    ("eval", lambda d: d["source"].update(samples="many"), "source.samples"),
+    ("eval", lambda d: d["source"].update(seq_len=-1), "source.seq_len"),
+    ("eval", lambda d: d["source"].update(data={"kind": "tensors", "path": 5}), "source.data"),
+    ("eval", lambda d: d["source"].update(data={"kind": "tensors", "path": "/nonexistent/calib"}), "does not exist"),
+    ("eval", lambda d: d.update(source="x"), "'source' is str"),
+    ("inspect", lambda d: d.update(recipe=["a"]), "'recipe' is list"),
+    ("inspect", lambda d: d.update(tensors={"a": 1}), "'tensors' is dict"),
+    ("inspect", lambda d: d.update(tensors=[1, 2]), "not objects"),
+    ("inspect", lambda d: [d], "is not a quantkit quantization.json"),
+])
+def test_hostile_quantization_json(command, edit, needle, artifact, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _edit_json(artifact / "quantization.json", edit)
+    argv = {"eval": ["eval", str(artifact), "--model", "tests.cli_factories:mlp", "--quiet", "--no-compile"],
+            "eval-recorded": ["eval", str(artifact), "--quiet", "--no-compile"],
+            "inspect": ["inspect", str(artifact)]}[command]
+    line = _fails(argv, capsys, code=1, inputs=[artifact])
+    assert needle in line, line
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda d: d.update(layers=[1, 2]), "not objects"),
+    (lambda d: d.update(metric="great"), "'metric' is str"),
+    (lambda d: [d], "not an object"),
+])
+def test_hostile_report_json(edit, needle, artifact, capsys):
+    _edit_json(artifact / "report.json", edit)
+    assert needle in _fails(["inspect", str(artifact)], capsys, code=1, inputs=[artifact])
+
+
+def test_quantization_json_that_is_not_json(artifact, capsys):
+    (artifact / "quantization.json").write_bytes(b"\xff\xfe{not json")
+    assert "not readable JSON" in _fails(["eval", str(artifact), "--quiet"], capsys, code=1, inputs=[artifact])
+
+
+# --- 13.3: strict checkpoint loading -------------------------------------------------------------
+
+@pytest.mark.parametrize("case, needle", [
+    ("missing", "1 missing (bert.encoder.layer.0.attention.self.query.weight)"),
+    ("extra", "1 unexpected (extra.thing)"),
+    ("mis-shaped", "1 mis-shaped (classifier.weight: checkpoint [4, 32], model [3, 32])"),
+])
+def test_checkpoint_tensors_that_do_not_fit(case, needle, bert_copy, sentences, tmp_path, capsys):
+    if case == "missing":
+        _edit_safetensors(bert_copy, lambda sd: sd.pop("bert.encoder.layer.0.attention.self.query.weight"))
+    elif case == "extra":
+        _edit_safetensors(bert_copy, lambda sd: sd.update({"extra.thing": torch.zeros(2)}))
+    else:
+        _edit_safetensors(bert_copy, lambda sd: sd.update({"classifier.weight": torch.zeros(4, 32)}))
+    out = tmp_path / "out"
+    t0 = time.perf_counter()
+    line = _fails(["quantize", str(bert_copy), "--calib", str(sentences), "--out", str(out), "--quiet"], capsys,
+                  code=1, inputs=[bert_copy, sentences], out=out)
+    assert time.perf_counter() - t0 < FAST_S, "the mismatch must be found before calibration"
+    assert needle in line and "do not fit BertForSequenceClassification" in line, line
+    assert "--allow-missing-weights" in line
+
+
+def test_config_of_another_architecture_over_bert_weights(bert_copy, sentences, tmp_path, capsys):
+    transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=30522,
+                            architectures=["GPT2LMHeadModel"]).save_pretrained(str(bert_copy))
+    out = tmp_path / "out"
+    line = _fails(["quantize", str(bert_copy), "--calib", str(sentences), "--out", str(out), "--quiet"], capsys,
+                  code=1, inputs=[bert_copy, sentences], out=out)
+    assert "do not fit GPT2LMHeadModel" in line
+    assert re.search(r"\d+ missing \(.*\), \d+ unexpected \(bert\.", line), line
+
+
+def test_architecture_transformers_does_not_have(bert_copy, tmp_path, capsys, no_model_loading):
+    _edit_json(bert_copy / "config.json", lambda d: d.update(architectures=["EvilModelForPwning"]))
+    out = tmp_path / "out"
+    line = _fails(["quantize", str(bert_copy), "--out", str(out)], capsys, code=1, inputs=[bert_copy], out=out)
+    assert "'EvilModelForPwning'" in line and "custom model code is never run" in line and "--task" in line
+
+
+def test_allow_missing_weights_is_reported(bert_copy, sentences, tmp_path, capsys):
+    """A base checkpoint loaded with a head (--task sequence-classification): the head is missing.
+    With --allow-missing-weights it quantizes, and stdout, report.json and report.md say so."""
+    base = tmp_path / "base"
+    _tiny_bert(base, cls=transformers.BertModel)
+    out = tmp_path / "out"
+    args = ["quantize", str(base), "--task", "sequence-classification", "--calib", str(sentences), "--out", str(out),
+            "--quiet", "--num-calib", "8"]
+    line = _fails(args, capsys, code=1, inputs=[base], out=out)
+    assert "2 missing (classifier.bias, classifier.weight)" in line, line
+    assert main(args + ["--allow-missing-weights"]) == 0
+    printed = capsys.readouterr()
+    assert printed.err == ""
+    assert "warning: --allow-missing-weights" in printed.out and "classifier.weight" in printed.out
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["weights_not_loaded"]["missing"] == ["classifier.bias", "classifier.weight"]
+    assert "**Warning: the checkpoint does not fit BertForSequenceClassification" in (out / "report.md").read_text()
+
+
+def test_factory_weights_that_do_not_fit(mlp_files, tmp_path, capsys):
+    weights, calib = mlp_files
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(weights))
+    sd["fc2.weight"] = torch.zeros(5, 5)
+    sd["junk"] = torch.zeros(1)
+    bad = tmp_path / "bad.safetensors"
+    save_file(sd, str(bad))
+    out = tmp_path / "out"
+    line = _fails(_mlp_args(bad, calib, out), capsys, code=1, inputs=[bad, calib], out=out)
+    assert "1 unexpected (junk), 1 mis-shaped (fc2.weight: checkpoint [5, 5], model [128, 128])" in line, line
+
+
+# --- 13.5: honest numbers ----------------------------------------------------------------------
+
+def _nan_calib(tmp_path: Path) -> Path:
+    calib = tmp_path / "nan-calib"
+    calib.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    for i in range(3):
+        x = torch.randn(8, 64, generator=gen)
+        if i == 1:
+            x[3, 5] = float("nan")
+        torch.save(x, calib / f"b{i}.pt")
+    return calib
+
+
+def test_nan_in_calibration_and_heldout_data(mlp_files, tmp_path, capsys):
+    weights, _ = mlp_files
+    calib = _nan_calib(tmp_path)
+    out = tmp_path / "out"
+    line = _fails(_mlp_args(weights, calib, out), capsys, code=1, inputs=[calib], out=out)
+    assert "b1.pt[3] holds NaN or inf (1 of 24 samples do)" in line and "--skip-nonfinite" in line, line
+    assert main(_mlp_args(weights, calib, out, "--skip-nonfinite")) == 0
+    rep = json.loads((out / "report.json").read_text(), parse_constant=_no_constants)
+    assert rep["data"]["nonfinite_skipped"] == 1 and rep["data"]["nonfinite_examples"] == ["b1.pt[3]"]
+    assert rep["data"]["calibration_samples"] + rep["data"]["heldout_samples"] == 23
+    assert "1 samples holding NaN or inf were left out" in (out / "report.md").read_text()
+
+
+def _no_constants(name):
+    raise AssertionError(f"non-standard JSON constant {name}")
+
+
+def test_nan_in_eval_data(artifact, tmp_path, capsys):
+    data = tmp_path / "eval-data"
+    data.mkdir()
+    x = torch.randn(6, 64)
+    x[4, 0] = float("inf")
+    torch.save(x, data / "x.pt")
+    argv = ["eval", str(artifact), "--model", "tests.cli_factories:mlp", "--data", str(data), "--no-compile",
+            "--quiet", "--json"]
+    line = _fails(argv, capsys, code=1, inputs=[data, artifact])
+    assert "x.pt[4] holds NaN or inf" in line, line
+    assert main(argv + ["--skip-nonfinite"]) == 0
+    res = json.loads(capsys.readouterr().out, parse_constant=_no_constants)
+    assert res["samples_nonfinite_skipped"] == 1 and res["metric"]["samples"] == 5
+
+
+def test_model_that_outputs_inf(mlp_files, tmp_path, capsys):
+    """exp() of the MLP: finite on the calibration data, inf on large inputs given to eval."""
+    weights, calib = mlp_files
+    from safetensors.torch import save_file
+
+    from tests.cli_factories import exp_head
+
+    torch.manual_seed(1)
+    model = exp_head()
+    w = tmp_path / "exp.safetensors"
+    save_file(model.state_dict(), str(w))
+    out = tmp_path / "exp-int8"
+    assert main(_mlp_args(w, calib, out, factory="tests.cli_factories:exp_head")) == 0
+    rep = (out / "report.json").read_text()
+    json.loads(rep, parse_constant=_no_constants)
+    big = tmp_path / "big"
+    big.mkdir()
+    torch.save(torch.full((2, 64), 1e4), big / "big.pt")
+    line = _fails(["eval", str(out), "--model", "tests.cli_factories:exp_head", "--data", str(big), "--no-compile",
+                   "--quiet"], capsys, code=1, inputs=[big, out])
+    assert "the float model produced NaN or inf for sample big.pt[0]" in line, line
+
+
+# --- 13.6 / 13.7: outputs, observers, raw exceptions ---------------------------------------------
+
+def test_out_inside_the_model_directory(bert_copy, tmp_path, capsys, no_model_loading):
+    out = bert_copy / "int8"
+    line = _fails(["quantize", str(bert_copy), "--out", str(out)], capsys, code=2, inputs=[bert_copy], out=out)
+    assert "is inside the input directory" in line
+
+
+def test_out_inside_the_calibration_directory(mlp_files, tmp_path, capsys):
+    weights, calib = mlp_files
+    out = calib / "sub" / "int8"
+    line = _fails(_mlp_args(weights, calib, out), capsys, code=2, inputs=[calib], out=out)
+    assert "is inside the input directory" in line
+
+
+def test_out_under_a_regular_file(bert_dir, tmp_path, capsys, no_model_loading):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    out = blocker / "sub" / "int8"
+    t0 = time.perf_counter()
+    line = _fails(["quantize", str(bert_dir), "--out", str(out)], capsys, code=1, inputs=[bert_dir, blocker])
+    assert time.perf_counter() - t0 < FAST_S
+    assert "is not a directory" in line and "cannot be created" in line, line
+
+
+def _unwritable_dir(tmp_path: Path) -> Path:
+    """A directory this process cannot create entries in: a read-only one (not as root), or /sys."""
+    if os.geteuid() != 0:
+        d = tmp_path / "ro"
+        d.mkdir()
+        d.chmod(0o555)
+        return d
+    probe = Path("/sys")
+    try:
+        os.rmdir(__import__("tempfile").mkdtemp(dir=probe))
+    except OSError:
+        return probe
+    pytest.skip("running as root with a writable /sys: no unwritable directory to test with")
+
+
+def test_unwritable_out_fails_before_loading(bert_dir, tmp_path, capsys, no_model_loading):
+    parent = _unwritable_dir(tmp_path)
+    out = parent / "quantkit-test" / "int8"
+    t0 = time.perf_counter()
+    line = _fails(["quantize", str(bert_dir), "--out", str(out)], capsys, code=1, inputs=[bert_dir])
+    assert time.perf_counter() - t0 < FAST_S
+    assert "is not writable" in line, line
+    assert not out.parent.exists()
+
+
+@pytest.mark.parametrize("flag, role", [("--observer", "activations"), ("--weight-observer", "weights")])
+def test_dynamic_only_observer_is_refused_up_front(flag, role, tmp_path, capsys, no_model_loading):
+    """'placeholder' records nothing (it marks dynamic activations): it used to be listed, then fail
+    after calibration; per-channel observers cannot measure per-tensor activations."""
+    out = tmp_path / "out"
+    line = _fails(["quantize", "--out", str(out), flag, "placeholder"], capsys, code=2, out=out)
+    assert f"observer 'placeholder' cannot measure {role}" in line
+    assert "placeholder" not in line.split("available:")[1]
+    if flag == "--observer":
+        line = _fails(["quantize", "--out", str(out), flag, "per_channel_minmax"], capsys, code=2, out=out)
+        assert "per_channel_minmax" not in line.split("available:")[1] and "minmax" in line
+
+
+def test_factory_sample_with_other_inputs(mlp_files, tmp_path, capsys):
+    """A file holding two tensors among one-tensor files: named, before torch.stack sees it."""
+    weights, _ = mlp_files
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    torch.save(torch.randn(4, 64), calib / "a.pt")
+    torch.save(torch.randn(4, 64), calib / "b.pt")
+    out = tmp_path / "out"
+    torch.save((torch.randn(4, 64), torch.randn(4, 64)), calib / "c.pt")
+    line = _fails(_mlp_args(weights, calib, out), capsys, code=1, inputs=[calib], out=out)
+    assert "has 2 tensors, --example-input has 1" in line, line
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("float-ids", "float32 tensor, but this text model takes token ids"),
+    ("out-of-vocab", "outside the model's vocabulary of 30522"),
+    ("ragged-dicts", "holds different inputs from sample"),
+    ("ragged-shapes", "samples batched together need equal shapes"),
+])
+def test_hf_tensor_data_that_cannot_be_batched(case, needle, bert_dir, tmp_path, capsys):
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    for i in range(4):
+        if case == "float-ids":
+            obj = torch.randn(4, 10)
+        elif case == "out-of-vocab":
+            obj = torch.full((4, 10), 40000)
+        elif case == "ragged-dicts":
+            ids = torch.randint(0, 1000, (2, 10))
+            obj = {"input_ids": ids} if i % 2 else {"input_ids": ids, "token_type_ids": torch.zeros_like(ids)}
+        else:
+            obj = (torch.randint(0, 1000, (2, 10 + i)), torch.ones(2, 10 + i, dtype=torch.long))
+        torch.save(obj, calib / f"{i}.pt")
+    out = tmp_path / "out"
+    line = _fails(["quantize", str(bert_dir), "--calib", str(calib), "--out", str(out), "--quiet"], capsys,
+                  code=1, inputs=[calib, bert_dir], out=out)
+    assert needle in line, line
+
+
+def test_api_wording_is_mapped_to_flags(mlp_files, tmp_path, capsys):
+    """--ops add on a model without adds: nothing to quantize. The API's message says to call
+    quantkit.prepare; the CLI user is told about the flags instead."""
+    weights, calib = mlp_files
+    out = tmp_path / "out"
+    line = _fails(_mlp_args(weights, calib, out, "--ops", "add"), capsys, code=1, inputs=[calib], out=out)
+    assert "check --ops and --skip" in line and "quantkit.prepare" not in line, line
+
+
+def test_ansi_escapes_are_stripped(mlp_files, tmp_path, capsys):
+    _, calib = mlp_files
+    out = tmp_path / "out"
+    line = _fails(["quantize", "tests.cli_factories:ansi_error", "--example-input", "8x64:float32", "--calib",
+                   str(calib), "--out", str(out), "--quiet"], capsys, code=1, inputs=[calib], out=out)
+    assert "failed when called: boom in the factory" in line
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--scheme", "w8a8", "--dynamic"], "--dynamic conflicts with --scheme w8a8"),
+    (["--scheme", "w8a8-per-token", "--granularity", "per-tensor"], "conflicts with --scheme w8a8-per-token"),
+    (["--granularity", "per-token"], "needs --dynamic"),
+    (["--dynamic", "--granularity", "per-token", "--activation", "affine-uint8"], "use --activation symmetric-int8"),
+    (["--dynamic", "--observer", "kl"], "--observer has no effect with dynamic activations"),
+    (["--ops", "linear,attention"], "unknown op families ['attention'] for --ops"),
+    (["--device", "cuda:7"], "--device cuda:7 is not available"),
+    (["--device", "gpu"], "--device 'gpu' is not cpu, cuda or cuda:N"),
+    (["--task", "vision"], "invalid choice: 'vision'"),
+])
+def test_conflicting_or_unavailable_flags(argv, needle, tmp_path, capsys, no_model_loading):
+    if argv[:2] == ["--device", "cuda:7"] and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    out = tmp_path / "out"
+    t0 = time.perf_counter()
+    line = _fails(["quantize", "--out", str(out), *argv], capsys, code=2, out=out)
+    assert needle in line, line
+    assert time.perf_counter() - t0 < FAST_S
