@@ -182,7 +182,8 @@ def write_program(program: torch.export.ExportedProgram, directory: Path) -> Pat
         _safe_pt2.check_archive(path).zf.close()
     except QuantkitError as exc:
         path.unlink()
-        raise QuantkitError(f"cannot save this program: {str(exc).split(': ', 1)[-1]}") from None
+        raise QuantkitError(f"cannot save this program as a quantkit artifact: {getattr(exc, 'reason', exc)} "
+                            "(quantkit.load would refuse it); keep weights and inputs plain tensors") from None
     return path
 
 
@@ -324,8 +325,9 @@ def check_out_dir(path: str | os.PathLike, *, overwrite: bool, flag: str = "over
         if not entries:
             return path
         if not (path / RECIPE_FILE).is_file() or not (path / MODEL_FILE).is_file():
-            raise QuantkitError(f"output directory {str(path)!r} is not empty and holds no {MODEL_FILE} and "
-                                f"{RECIPE_FILE}; refusing to replace it, choose another output path")
+            raise QuantkitError(f"output directory {str(path)!r} is not empty and is not a quantkit artifact (no "
+                                f"{MODEL_FILE} with a {RECIPE_FILE}); refusing to replace it, choose another "
+                                "output path")
         if not _is_quantkit_json(path / RECIPE_FILE):
             raise QuantkitError(f"output directory {str(path)!r} holds a {RECIPE_FILE} that is not quantkit's; "
                                 "refusing to replace it, choose another output path")
@@ -343,7 +345,7 @@ def _seal(directory: Path) -> None:
     if not (model.is_file() and recipe.is_file()):
         return
     doc = read_json(recipe)
-    if doc.get("format") != FORMAT:
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         return
     digest = file_sha256(model)
     if doc.get("model_sha256") != digest:

@@ -101,7 +101,8 @@ def _show(value: Any) -> str:
 
 @dataclass(frozen=True)
 class Archive:
-    """A checked archive: its ``zipfile`` handle and the archive-root prefix of its members."""
+    """A checked archive: its ``zipfile`` handle, the archive-root prefix of its members, the
+    program JSON and the sample inputs (loaded with ``weights_only=True``)."""
 
     zf: zipfile.ZipFile
     root: str
@@ -138,12 +139,18 @@ def check_archive(path: str | Path) -> Archive:
         return _check(zf)
     except _Refused as exc:
         zf.close()
-        raise QuantkitError(f"refusing to load {str(path)!r}: {exc}; quantkit only loads the model.pt2 files "
-                            "it writes (plain tensors, no pickled objects or code)") from None
-    except (zipfile.BadZipFile, OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError, KeyError) as exc:
-        zf.close()
+        raise _refusal(path, exc) from None
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        zf.close()  # ValueError: bad UTF-8 or JSON; the others: JSON of the wrong shape
         raise QuantkitError(f"could not load {str(path)!r}: damaged archive ({type(exc).__name__}); "
                             "re-create it") from None
+
+
+def _refusal(path: Path, reason: _Refused) -> QuantkitError:
+    exc = QuantkitError(f"refusing to load {str(path)!r}: {reason}; quantkit only loads the model.pt2 files "
+                        "it writes (plain tensors, no pickled objects or code)")
+    exc.reason = str(reason)  # for callers that word it themselves (save)
+    return exc
 
 
 def _check(zf: zipfile.ZipFile) -> Archive:
@@ -475,16 +482,16 @@ def load_program(path: str | Path) -> torch.export.ExportedProgram:
 
     archive = check_archive(path)
     try:
-        with archive.zf, refuse_unsafe_unpickling():
+        with archive.zf:
             state_dict = _read_payloads(archive, "weights")
             constants = _read_payloads(archive, "constants")
-            example_inputs = archive.example_inputs
-            serialized = _dict_to_dataclass(schema.ExportedProgram, archive.program)
+        serialized = _dict_to_dataclass(schema.ExportedProgram, archive.program)
+        with refuse_unsafe_unpickling():
             # ready-made dicts/tuples: deserialize_torch_artifact passes them through untouched
-            return ExportedProgramDeserializer().deserialize(serialized, state_dict, constants, example_inputs)
+            return ExportedProgramDeserializer().deserialize(serialized, state_dict, constants,
+                                                             archive.example_inputs)
     except _Refused as exc:
-        raise QuantkitError(f"refusing to load {str(path)!r}: {exc}; quantkit only loads the model.pt2 files "
-                            "it writes (plain tensors, no pickled objects or code)") from None
+        raise _refusal(Path(path), exc) from None
     except QuantkitError:
         raise
     except (zipfile.BadZipFile, OSError, EOFError) as exc:

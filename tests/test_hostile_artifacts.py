@@ -286,6 +286,20 @@ def test_unpickling_guard_stops_torch_export_load(case, saved, tmp_path):
     assert torch.load is real_load  # restored
 
 
+def test_save_refuses_a_program_it_could_not_load_again(saved, tmp_path, monkeypatch):
+    """A program torch would pickle (here: simulated by torch.export.save writing a pickled weight) is not saved."""
+    qmodel, good, _ = saved
+    members = _members(good / "model.pt2")
+    _weight_pickle(tmp_path / "PWNED")(members)
+    monkeypatch.setattr(torch.export, "save", lambda program, f: _write_zip(Path(f), members))
+    with pytest.raises(quantkit.QuantkitError) as err:
+        quantkit.save(qmodel, tmp_path / "out")
+    assert str(err.value) == ("cannot save this program as a quantkit artifact: weight 'model.fc1.bias' is stored "
+                              "pickled and needs a full unpickler (quantkit.load would refuse it); keep weights and "
+                              "inputs plain tensors")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_compressed_or_foreign_members_are_refused(saved, tmp_path):
     _, good, _ = saved
     deflated = _hostile(good, tmp_path / "deflated", lambda m: None, compress=True)
@@ -297,6 +311,15 @@ def test_compressed_or_foreign_members_are_refused(saved, tmp_path):
     escape = _hostile(good, tmp_path / "escape", lambda m: m.__setitem__("other/evil.py", b"x"))
     with pytest.raises(quantkit.QuantkitError, match=r"member 'other/evil.py' is outside the archive root 'model/'"):
         quantkit.load(escape)
+
+
+def test_program_json_of_the_wrong_shape_is_one_line(saved, tmp_path):
+    _, good, _ = saved
+    bad = _hostile(good, tmp_path / "bad", lambda m: _edit_json(
+        m, "models/model.json", lambda d: d["graph_module"].__setitem__("graph", [1, 2])))
+    with pytest.raises(quantkit.QuantkitError, match=r"^could not load '.*model.pt2': damaged archive "
+                                                     r"\(AttributeError\); re-create it$"):
+        quantkit.load(bad)
 
 
 def test_plain_guards_and_shape_expressions_are_accepted():
@@ -393,7 +416,7 @@ def _snapshot(path: Path) -> dict:
     ("broken-json", "holds a quantization.json that is not quantkit's; refusing to replace it"),
     ("extra-user-file", "also holds 'thesis.tex', which quantkit did not write; refusing to replace it"),
     ("extra-user-dir", "also holds 'data', which quantkit did not write; refusing to replace it"),
-    ("no-model", "is not empty and holds no model.pt2 and quantization.json; refusing to replace it"),
+    ("no-model", "is not empty and is not a quantkit artifact (no model.pt2 with a quantization.json); refusing"),
 ])
 def test_overwrite_refuses_directories_that_are_not_quantkit_artifacts(layout, message, saved, tmp_path):
     qmodel, good, _ = saved
