@@ -321,6 +321,9 @@ def run_quantize(args, say) -> int:
         t = clock.lap("calibrate", t)
         qmodel = quantkit.convert(prepared)
         t = clock.lap("convert", t)
+    if not qmodel.meta.get("quantkit_qparams"):
+        raise QuantkitError(f"nothing is quantized: the model has no {'/'.join(recipe.config().ops)} op outside "
+                            "the --skip patterns (and no embedding); check --ops and --skip")
 
     kind, scores = report.compare_models(loaded.model, {"int8": qmodel}, heldout, origins=heldout_origins,
                                          progress=progress, desc="held-out")

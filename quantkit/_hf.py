@@ -143,15 +143,35 @@ def model_class(path: str | os.PathLike, task: str = "auto"):
     return cls, "auto"
 
 
-def _benign(model, keys: set[str]) -> set[str]:
-    """Unexpected checkpoint keys that are non-persistent buffers of the model (e.g. the
-    ``position_ids`` older BERT checkpoints stored): recomputed at init, never loaded."""
+def _architecture_keys(path: Path, config) -> set[str]:
+    """State-dict names of the architecture config.json names (built on the meta device: no memory)."""
+    try:
+        cls, _ = model_class(path, "auto")
+        with torch.device("meta"):
+            return set(cls(config).state_dict())
+    except Exception:  # no architecture, or one that cannot be built: nothing is explained by it
+        return set()
+
+
+def _benign(model, keys: set[str], path: Path) -> set[str]:
+    """Unexpected checkpoint keys that are expected differences, not a mismatch:
+
+    - non-persistent buffers of the model (e.g. the ``position_ids`` older BERT checkpoints
+      stored): recomputed at init, never loaded;
+    - the head of a checkpoint loaded as its base model (``--task feature-extraction`` on a
+      ``BertForSequenceClassification`` directory): tensors of the architecture config.json
+      names that the base model does not have, left out on purpose. Anything else (a
+      tensor no model of that architecture has) is still unexpected.
+    """
     persistent = set(model.state_dict())
     transient = {n for n, _ in model.named_buffers() if n not in persistent}
     prefix = getattr(model, "base_model_prefix", "") or ""
     strip = lambda k: k[len(prefix) + 1:] if prefix and k.startswith(prefix + ".") else k  # noqa: E731
     transient |= {strip(n) for n in transient}
-    return {k for k in keys if k in transient or strip(k) in transient}
+    benign = {k for k in keys if k in transient or strip(k) in transient}
+    if getattr(model, "base_model", None) is model and keys - benign:
+        benign |= keys & _architecture_keys(path, model.config)
+    return benign
 
 
 def load_hf_checkpoint(path: str | os.PathLike, *, task: str = "auto", progress: bool = True,
@@ -192,7 +212,8 @@ def load_hf_checkpoint(path: str | os.PathLike, *, task: str = "auto", progress:
         first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
         raise QuantkitError(f"could not load the model in {str(path)!r}: {first.strip()}") from exc
     model.eval()
-    unexpected = set(info.get("unexpected_keys") or ()) - _benign(model, set(info.get("unexpected_keys") or ()))
+    unexpected = set(info.get("unexpected_keys") or ())
+    unexpected -= _benign(model, unexpected, path)
     rep = LoadReport(
         architecture=type(model).__name__,
         missing=tuple(sorted(info.get("missing_keys") or ())),

@@ -472,3 +472,181 @@ def test_hf_causal_lm_with_token_id_tensors(tmp_path, capsys):
     assert rep["data"]["calibration_samples"] == 8 and rep["data"]["heldout_samples"] == 2
     assert rep["metric"]["name"] == "token logits cosine" and rep["metric"]["samples"] == 2
     assert rep["metric"]["mean_cosine"] > 0.99 and rep["metric"]["top1_agreement"] >= 0.9, rep["metric"]
+
+
+# --- HF checkpoints: --task, strict loading of legitimate checkpoints (issue 12/13) ------------
+
+_TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _tiny_bert(directory: Path, cls_name: str = "BertForSequenceClassification", num_labels: int = 3) -> Path:
+    """A random-weight BERT (2 layers, hidden 32) with all-MiniLM-L6-v2's tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                  vocab_size=30522, max_position_embeddings=128, num_labels=num_labels)
+    getattr(transformers, cls_name)(cfg).save_pretrained(str(directory), safe_serialization=True)
+    for f in _TOKENIZER_FILES:
+        shutil.copy(_hf.default_model_path() / f, directory / f)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def bert_cls(tmp_path_factory) -> Path:
+    return _tiny_bert(tmp_path_factory.mktemp("bert") / "bert-cls", num_labels=5)
+
+
+@pytest.fixture(scope="module")
+def few_sentences(tmp_path_factory) -> Path:
+    f = tmp_path_factory.mktemp("text") / "sentences.txt"
+    f.write_text("\n".join(_hf.read_sentences(_hf.default_calibration_file())[:40]) + "\n", encoding="utf-8")
+    return f
+
+
+def test_task_auto_keeps_the_classifier(bert_cls, few_sentences, tmp_path, capsys):
+    """BertForSequenceClassification through the CLI: the artifact returns [batch, 5] logits that
+    match the float classifier's, loaded independently with transformers."""
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "cls-int8"
+    assert main(["quantize", str(bert_cls), "--calib", str(few_sentences), "--out", str(out), "--quiet",
+                 "--num-calib", "16"]) == 0
+    doc = json.loads((out / "quantization.json").read_text())
+    assert doc["source"]["model"]["task"] == "auto" and doc["source"]["output"] == "logits"
+    assert any(t["node"].startswith("classifier") for t in doc["tensors"] if t["kind"] == "weight")
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["metric"]["name"] == "logits cosine" and rep["metric"]["top1_agreement"] >= 0.9, rep["metric"]
+    assert rep["model"].endswith("(BertForSequenceClassification)")
+
+    ref_model = transformers.BertForSequenceClassification.from_pretrained(str(bert_cls)).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    enc = dict(tok(_hf.read_sentences(few_sentences)[:8], padding=True, return_tensors="pt"))
+    with torch.no_grad():
+        ref = ref_model(**enc).logits
+        got = quantkit.load(out)(**enc)["logits"]
+    assert got.shape == ref.shape == (8, 5)
+    cos = torch.nn.functional.cosine_similarity(ref.double(), got.double(), dim=-1)
+    assert cos.min() >= 0.99, cos
+
+    capsys.readouterr()
+    assert main(["eval", str(out), "--no-compile", "--json", "--quiet"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["metric"]["name"] == "logits cosine"
+    assert res["metric"]["mean_cosine"] == pytest.approx(rep["metric"]["mean_cosine"], abs=1e-6)
+
+
+def test_task_feature_extraction_on_a_classifier_checkpoint(bert_cls, few_sentences, tmp_path):
+    """An explicit --task loads the encoder only: its head is left out on purpose (not a mismatch),
+    and the metric is the sentence-embedding cosine."""
+    out = tmp_path / "enc-int8"
+    assert main(["quantize", str(bert_cls), "--task", "feature-extraction", "--calib", str(few_sentences),
+                 "--out", str(out), "--quiet", "--num-calib", "8"]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["metric"]["name"] == "embedding cosine" and "weights_not_loaded" not in rep
+    assert rep["model"].endswith("(BertModel)")
+    ids = torch.randint(1000, 2000, (2, 7))
+    y = quantkit.load(out)(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=torch.zeros_like(ids))
+    assert y["last_hidden_state"].shape == (2, 7, 32) and "logits" not in y
+
+
+def test_legitimate_checkpoints_load_strictly(tmp_path):
+    """Benign differences are not mismatches: the bundled model; an old checkpoint that stored the
+    non-persistent position_ids buffer; a tied lm_head (GPT-2) that the checkpoint does not store."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
+    _, _, fit = _hf.load_hf_checkpoint(_hf.default_model_path(), progress=False)
+    assert fit.clean and fit.architecture == "BertModel"
+
+    old = _tiny_bert(tmp_path / "old")
+    sd = load_file(str(old / "model.safetensors"))
+    sd["bert.embeddings.position_ids"] = torch.arange(128)[None]
+    save_file(sd, str(old / "model.safetensors"))
+    _, _, fit = _hf.load_hf_checkpoint(old, progress=False)
+    assert fit.clean, fit
+
+    torch.manual_seed(0)
+    gpt = tmp_path / "gpt2"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=100)
+                                 ).save_pretrained(str(gpt))
+    assert "lm_head.weight" not in load_file(str(gpt / "model.safetensors"))  # tied to wte
+    model, _, fit = _hf.load_hf_checkpoint(gpt, progress=False)
+    assert fit.clean and type(model).__name__ == "GPT2LMHeadModel"
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+
+
+# --- the recipe flags are QuantConfig's fields (issue 12) ------------------------------------------
+
+def test_cpu_recipe_flags(mlp_inputs, tmp_path, capsys):
+    """README's CPU recipe QuantConfig(activation="affine-uint7", ops={"linear"}) as flags: recorded
+    in quantization.json, and every activation is quantized to 0..127."""
+    weights, calib = mlp_inputs
+    out = tmp_path / "u7"
+    assert main(_factory_args(weights, calib, out, "--activation", "affine-uint7", "--ops", "linear")) == 0
+    doc = json.loads((out / "quantization.json").read_text())
+    assert doc["recipe"]["activation"] == "affine-uint7" and doc["recipe"]["ops"] == ["linear"]
+    assert doc["recipe"]["scheme"] == "w8a8" and doc["recipe"]["dynamic"] is False
+    acts = [t for t in doc["tensors"] if t["kind"] == "activation"]
+    assert acts and {(t["quant_min"], t["quant_max"]) for t in acts} == {(0, 127)}, acts[0]
+    # explicit flags and the --scheme shorthand give the same recipe
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(_factory_args(weights, calib, a, "--dynamic", "--granularity", "per-token")) == 0
+    assert main(_factory_args(weights, calib, b, "--scheme", "w8a8-per-token")) == 0
+    ra, rb = (json.loads((d / "quantization.json").read_text())["recipe"] for d in (a, b))
+    assert ra == rb and ra["scheme"] == "w8a8-per-token" and ra["activation"] == "symmetric-int8"
+    assert "affine-uint7" in (out / "report.md").read_text()
+    capsys.readouterr()
+
+
+# --- eval: compiled by default, with a fallback ---------------------------------------------------
+
+def test_eval_falls_back_when_compilation_fails(mlp_inputs, tmp_path, capsys, monkeypatch):
+    weights, calib = mlp_inputs
+    out = tmp_path / "mlp-int8"
+    assert main(_factory_args(weights, calib, out, "--device", "cpu")) == 0
+
+    def broken(*a, **k):
+        raise RuntimeError("no C++ compiler\nsecond line")
+
+    monkeypatch.setattr(quantkit, "compile", broken)
+    capsys.readouterr()
+    assert main(["eval", str(out), "--model", "tests.cli_factories:mlp", "--quiet"]) == 0
+    printed = capsys.readouterr()
+    assert printed.err == ""
+    assert "compilation failed (no C++ compiler second line)" in printed.out
+    assert "int8 (q/dq reference)" in printed.out and "int8 speedup over float:" in printed.out
+
+
+@pytest.mark.slow
+def test_eval_compiles_both_models(mlp_inputs, tmp_path, capsys):
+    """Default eval: torch.compile'd float vs quantkit.compile'd int8, timed interleaved (~30 s:
+    two Inductor compilations)."""
+    weights, calib = mlp_inputs
+    out = tmp_path / "mlp-int8"
+    assert main(_factory_args(weights, calib, out)) == 0
+    capsys.readouterr()
+    assert main(["eval", str(out), "--model", "tests.cli_factories:mlp", "--quiet", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    rep = json.loads((out / "report.json").read_text())
+    assert res["compiled"] is True and "note" not in res, res
+    assert set(res["latency"]) == {"float (compiled)", "int8 (compiled)"}
+    assert res["speedup"] > 0 and all(v["batches"] >= 12 for v in res["latency"].values())
+    # the compiled int8 model computes what the reference q/dq graph computes
+    assert res["metric"]["mean_cosine"] == pytest.approx(rep["metric"]["mean_cosine"], abs=2e-3)
+
+
+@pytest.mark.gpu
+def test_quantize_on_cuda_saves_a_cpu_artifact(mlp_inputs, tmp_path, capsys):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    weights, calib = mlp_inputs
+    out = tmp_path / "cuda-int8"
+    assert main(_factory_args(weights, calib, out, "--device", "cuda")) == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["device"].startswith("cuda") and rep["metric"]["mean_cosine"] > 0.999
+    q = quantkit.load(out)
+    assert all(t.device.type == "cpu" for t in list(q.parameters()) + list(q.buffers()))
+    assert q(torch.randn(3, 64)).shape == (3, 32)
+    capsys.readouterr()
+    assert main(["eval", str(out), "--model", "tests.cli_factories:mlp", "--device", "cuda", "--no-compile",
+                 "--quiet", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["device"].startswith("cuda")
