@@ -9,6 +9,7 @@ data (loaded with transformers' own classes, never with custom code).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,15 +30,7 @@ def _read_artifact(directory: str) -> tuple[Path, dict]:
     path = Path(directory)
     if not path.is_dir():
         raise QuantkitError(f"{directory!r} is not a directory; pass the --out directory of quantkit quantize")
-    if not (path / _artifact.RECIPE_FILE).is_file() or not (path / _artifact.MODEL_FILE).is_file():
-        raise QuantkitError(f"{directory!r} has no {_artifact.MODEL_FILE} and {_artifact.RECIPE_FILE}; "
-                            "it is not a quantkit artifact")
-    doc = _artifact.read_json(path / _artifact.RECIPE_FILE)
-    if not isinstance(doc, dict) or doc.get("format") != _artifact.FORMAT:
-        raise QuantkitError(f"{str(path / _artifact.RECIPE_FILE)!r} is not a quantkit quantization.json")
-    verify = getattr(_artifact, "verify_artifact", None)
-    if verify is not None:
-        verify(path)
+    doc = _artifact.verify_artifact(path)  # both files, quantkit's format, model.pt2's SHA-256, nothing unsafe
     for key, kind in (("recipe", dict), ("source", dict), ("versions", dict), ("tensors", list)):
         if key in doc and not isinstance(doc[key], kind):
             raise _damaged(path / _artifact.RECIPE_FILE, f"field {key!r} is {type(doc[key]).__name__}, "
@@ -79,7 +72,16 @@ def _read_report(path: Path) -> dict:
     return rep
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\x9b]")
+
+
+def _printable(say):
+    """``say`` with control characters (terminal escapes from a hostile JSON file) shown as ``?``."""
+    return lambda text="": say(_CONTROL.sub("?", str(text)))
+
+
 def run_inspect(args, say) -> int:
+    say = _printable(say)
     path, doc = _read_artifact(args.dir)
     rep = _read_report(path)
     recipe, source = doc.get("recipe", {}), doc.get("source", {})
@@ -214,14 +216,14 @@ def _load_int8(path: Path, device: torch.device):
     """The artifact's int8 program as a module on ``device`` (artifacts are saved for CPU)."""
     from quantkit import load
 
+    module = load(path)  # verified and read without unpickling (quantkit._safe_pt2)
     if device.type == "cpu":
-        return load(path)
+        return module
     from torch.export.passes import move_to_device_pass
 
-    program = move_to_device_pass(torch.export.load(str(path / _artifact.MODEL_FILE)), device)
-    module = program.module()
-    module.meta["quantkit_converted"] = True
-    return module
+    moved = move_to_device_pass(module.meta[_artifact.PROGRAM_META_KEY], device).module()
+    moved.meta["quantkit_converted"] = True
+    return moved
 
 
 class _FrozenFloat(torch.nn.Module):
@@ -269,6 +271,7 @@ def _check_eval_args(args) -> torch.device:
 
 
 def run_eval(args, say) -> int:
+    say = _printable(say)
     device = _check_eval_args(args)
     path, doc = _read_artifact(args.dir)
     source = _source(path, doc)
