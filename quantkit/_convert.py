@@ -8,8 +8,10 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
+from quantkit.observers import QuantkitObserver
+
 from ._errors import ConvertError
-from ._prepare import copy_sharing_parameters, is_observer_node
+from ._prepare import copy_sharing_parameters, disallow_train_eval, is_observer_node, is_prepared
 from ._qmath import is_per_channel, underlying_dtype
 
 __all__ = ["convert", "convert_in_place", "emit_dynamic", "QPARAMS_META_KEY", "QUANTIZE_OPS", "DEQUANTIZE_OPS"]
@@ -41,14 +43,53 @@ def _attr(gm: torch.nn.Module, target: str):
     return obj
 
 
+def _writes(user: Node, arg: Node) -> tuple[bool, bool]:
+    """``(writes, aliases)``: whether op ``user`` writes into its input ``arg`` (in place, e.g.
+    ``index_put_``, ``copy_``), and whether its output is a view of it (e.g. ``select``)."""
+    schema = getattr(user.target, "_schema", None)
+    if user.op != "call_function" or schema is None:
+        return False, False
+    writes = aliases = False
+    for i, a in enumerate(schema.arguments):
+        value = user.args[i] if i < len(user.args) else user.kwargs.get(a.name)
+        if value is arg and a.alias_info is not None:
+            writes = writes or a.alias_info.is_write
+            aliases = True
+    returns_alias = any(r.alias_info is not None for r in schema.returns)
+    return writes, aliases and returns_alias and not writes
+
+
+def mutated_attributes(gm: GraphModule) -> set[str]:
+    """Targets of ``get_attr`` nodes the graph writes in place, directly or through a view:
+    state (e.g. a buffer updated by ``index_put_``), not constants to fold."""
+    mutated = set()
+    modules = dict(gm.named_modules(remove_duplicate=False))
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        todo = [node]
+        while todo:
+            cur = todo.pop()
+            for user in cur.users:
+                writes, view = _writes(user, cur)
+                if writes:
+                    mutated.add(str(node.target))
+                elif view or is_observer_node(user, modules):  # observers pass their input on
+                    todo.append(user)
+    return mutated
+
+
 def _constant_value(gm: GraphModule, node, memo: dict):
-    """Evaluate ``node`` if it depends only on module attributes; else return None."""
+    """Evaluate ``node`` if it depends only on module attributes that the graph never writes;
+    else return None. ``memo`` caches values; its ``"mutated"`` entry lists the written ones."""
     if not isinstance(node, Node):
         return node
     if node in memo:
         return memo[node]
+    if "mutated" not in memo:
+        memo["mutated"] = mutated_attributes(gm)
     value = None
-    if node.op == "get_attr":
+    if node.op == "get_attr" and str(node.target) not in memo["mutated"]:
         value = _attr(gm, str(node.target))
     elif node.op == "call_function" and not getattr(node.target, "_nondeterministic_seeded", False):
         deps: list[Node] = []
@@ -137,11 +178,11 @@ class _Converter:
 
     def replace(self, node: Node) -> None:
         obs = self.modules[str(node.target)]
-        if getattr(obs, "is_dynamic", False):
+        if getattr(obs, "is_dynamic", False) and hasattr(obs, "dtype"):
             self.records.append({"node": getattr(obs, "node_name", node.name),
                                  "kind": "dynamic-per-token" if _per_token(obs) else "dynamic",
                                  "dtype": str(underlying_dtype(obs.dtype)).replace("torch.", "")})
-        if hasattr(obs, "convert") and not getattr(obs, "is_dynamic", False):
+        if hasattr(obs, "convert") and not isinstance(obs, QuantkitObserver):
             # torchao's protocol: an observer that knows its own ops (torchao's affine and
             # group-wise observers) rewrites its node
             obs.convert(self.gm, node)
@@ -197,6 +238,25 @@ class _Converter:
         return _attr(self.gm, str(arg.target)) if isinstance(arg, Node) else arg
 
 
+def _fold_constant_quantizes(conv: "_Converter") -> None:
+    """Fold quantize ops whose input is a constant (weights quantized by an observer's own
+    ``convert`` hook, e.g. torchao's affine ``quantize_affine``) into integer buffers, as
+    quantkit's own weights are folded."""
+    foldable = set(QUANTIZE_OPS)
+    affine = getattr(torch.ops.torchao, "quantize_affine", None)
+    if affine is not None:
+        foldable.update({affine, affine.default})  # torchao's observers emit the packet
+    for node in list(conv.graph.nodes):
+        if node.op != "call_function" or node.target not in foldable:
+            continue
+        value = _constant_value(conv.gm, node, conv.memo)
+        if isinstance(value, torch.Tensor):
+            with conv.graph.inserting_before(node):
+                folded = conv._new_attr("_qk_int_weight_", value.detach())
+            node.replace_all_uses_with(folded)
+            conv.graph.erase_node(node)
+
+
 def _duplicate_dequantize(gm: GraphModule) -> None:
     """Give every consumer of a dequantize its own copy (the pattern Inductor matches)."""
     for node in list(gm.graph.nodes):
@@ -245,20 +305,24 @@ def convert(prepared: GraphModule) -> GraphModule:
     """
     if not isinstance(prepared, GraphModule):
         raise TypeError(f"convert expects the GraphModule returned by quantkit.prepare, got {type(prepared).__name__}")
-    modules = dict(prepared.named_modules(remove_duplicate=False))
-    if not any(is_observer_node(n, modules) for n in prepared.graph.nodes):
-        raise ConvertError("the model has no observers; call quantkit.prepare(model, quantizer) before convert")
+    _check_prepared(prepared)
     return convert_in_place(copy_sharing_parameters(prepared))
+
+
+def _check_prepared(prepared: GraphModule) -> None:
+    modules = dict(prepared.named_modules(remove_duplicate=False))
+    if not is_prepared(prepared) and not any(is_observer_node(n, modules) for n in prepared.graph.nodes):
+        raise ConvertError("the model has no observers; call quantkit.prepare(model, quantizer) before convert")
 
 
 def convert_in_place(prepared: GraphModule) -> GraphModule:
     """:func:`convert` without the copy: the observers of ``prepared`` are consumed and its
     graph rewritten; for callers whose prepared model is private (``quantize``). On an
     error, ``prepared`` is left as it was."""
+    _check_prepared(prepared)
     conv = _Converter(prepared)
+    # a prepared model whose quantizer annotated nothing has none: it converts to itself
     obs_nodes = [n for n in prepared.graph.nodes if is_observer_node(n, conv.modules)]
-    if not obs_nodes:
-        raise ConvertError("the model has no observers; call quantkit.prepare(model, quantizer) before convert")
     # weights first: observe constants that calibration did not reach, then check
     # every activation observer before changing anything, so a failure leaves the
     # prepared model as it was
@@ -278,6 +342,7 @@ def convert_in_place(prepared: GraphModule) -> GraphModule:
             )
     for node in obs_nodes:
         conv.replace(node)
+    _fold_constant_quantizes(conv)
     _duplicate_dequantize(prepared)
     prepared.graph.eliminate_dead_code()
     prepared.delete_all_unused_submodules()
@@ -287,5 +352,6 @@ def convert_in_place(prepared: GraphModule) -> GraphModule:
     converted.meta.update(prepared.meta)
     converted.meta.pop("quantkit_prepared", None)
     converted.meta["quantkit_converted"] = True
+    converted.meta.pop("_observed_graph_module_attrs", None)
     converted.meta[QPARAMS_META_KEY] = conv.records
-    return converted
+    return disallow_train_eval(converted)

@@ -1,10 +1,12 @@
-"""Fold eval-mode batch norm into the preceding convolution (before annotation)."""
+"""Fold eval-mode batch norm into the preceding convolution or linear (before annotation)."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.fx import GraphModule, Node
-from torch.nn.utils.fusion import fuse_conv_bn_weights
+from torch.nn.utils.fusion import fuse_conv_bn_weights, fuse_linear_bn_weights
 
 __all__ = ["fold_conv_bn"]
 
@@ -12,10 +14,14 @@ _CONVS = {
     torch.ops.aten.conv1d.default: False,
     torch.ops.aten.conv2d.default: False,
     torch.ops.aten.conv3d.default: False,
+    torch.ops.aten.conv1d.padding: False,  # padding="same" / "valid"
+    torch.ops.aten.conv2d.padding: False,
+    torch.ops.aten.conv3d.padding: False,
     torch.ops.aten.conv_transpose1d.default: True,
     torch.ops.aten.conv_transpose2d.input: True,
     torch.ops.aten.conv_transpose3d.input: True,
 }
+_LINEAR = torch.ops.aten.linear.default
 # target -> index of eps among the positional args
 _BATCH_NORMS = {
     torch.ops.aten.batch_norm.default: 7,
@@ -48,10 +54,14 @@ def _set_param(gm: GraphModule, target: str, value: torch.Tensor) -> None:
 
 
 def fold_conv_bn(gm: GraphModule) -> int:
-    """Fold ``conv → batch_norm`` (eval mode) into the conv's weight and bias, in place.
+    """Fold ``conv → batch_norm`` and ``linear → batch_norm`` (eval mode) into the conv's
+    or linear's weight and bias, in place (new parameter tensors replace the old ones on
+    ``gm``; the old tensors are not written).
 
     A pair is folded only when the conv's output feeds the batch norm alone, the
     batch norm runs in inference mode, and the conv's weight is used by no other node.
+    A linear is folded only when its output is 2-D ``[N, features]``: on ``[N, C, L]``,
+    ``BatchNorm1d`` normalizes dim 1, not the linear's features (a warning says so).
 
     Returns:
         The number of batch norms folded.
@@ -63,7 +73,15 @@ def fold_conv_bn(gm: GraphModule) -> int:
         if bn.target is torch.ops.aten.batch_norm.default and bn.args[5]:
             continue  # training-mode batch norm: statistics come from the batch
         conv = bn.args[0]
-        if not (isinstance(conv, Node) and conv.op == "call_function" and conv.target in _CONVS):
+        if not (isinstance(conv, Node) and conv.op == "call_function" and (conv.target in _CONVS or conv.target is _LINEAR)):
+            continue
+        out = conv.meta.get("val")
+        if conv.target is _LINEAR and not (isinstance(out, torch.Tensor) and out.dim() == 2):
+            warnings.warn(
+                f"Not fusing linear+bn at '{conv.name}': its output is {getattr(out, 'dim', lambda: '?')()}-D, where "
+                "BatchNorm1d normalizes dim 1, not the linear's features; the batch norm stays",
+                stacklevel=3,
+            )
             continue
         if len(conv.users) != 1 or len(conv.args[1].users) != 1:
             continue
@@ -76,9 +94,14 @@ def fold_conv_bn(gm: GraphModule) -> int:
         if bn_rm is None or bn_rv is None:
             continue
         eps = bn.args[_BATCH_NORMS[bn.target]]
-        weight, bias = fuse_conv_bn_weights(
-            conv_w, conv_b, bn_rm, bn_rv, eps, bn_w, bn_b, transpose=_CONVS[conv.target]
-        )
+        if conv.target is _LINEAR:
+            bn_w = torch.ones_like(bn_rm) if bn_w is None else bn_w  # BatchNorm1d(affine=False)
+            bn_b = torch.zeros_like(bn_rm) if bn_b is None else bn_b
+            weight, bias = fuse_linear_bn_weights(conv_w, conv_b, bn_rm, bn_rv, eps, bn_w, bn_b)
+        else:
+            weight, bias = fuse_conv_bn_weights(
+                conv_w, conv_b, bn_rm, bn_rv, eps, bn_w, bn_b, transpose=_CONVS[conv.target]
+            )
         _set_param(gm, str(conv.args[1].target), weight.detach())
         args = list(conv.args) + [None] * (3 - len(conv.args))
         if isinstance(args[2], Node):

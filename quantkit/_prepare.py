@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import types
 
 import torch
 from torch.fx import GraphModule, Node
@@ -15,7 +16,7 @@ from ._sharing import ANNOTATION_KEY, EdgeOrNode, observers_for_annotations
 
 __all__ = [
     "prepare", "OBSERVER_PREFIX", "is_observer_module", "is_observer_node", "mark_padding_aware",
-    "copy_sharing_parameters", "prepare_in_place",
+    "copy_sharing_parameters", "prepare_in_place", "is_prepared", "disallow_train_eval",
 ]
 
 OBSERVER_PREFIX = "activation_post_process_"
@@ -40,6 +41,34 @@ def is_observer_node(node: Node, modules: dict[str, torch.nn.Module]) -> bool:
     return node.op == "call_module" and is_observer_module(modules.get(str(node.target)))
 
 
+def is_prepared(gm: GraphModule) -> bool:
+    """Whether ``gm`` came out of a prepare step (quantkit's or torchao's), observers or not."""
+    return bool(gm.meta.get("quantkit_prepared")) or "_observed_graph_module_attrs" in gm.meta
+
+
+_TRAIN_EVAL_MESSAGE = (
+    "train() and eval() cannot switch an exported graph (quantkit's prepared and converted models are "
+    "exported graphs); call torchao.quantization.pt2e.move_exported_model_to_eval(model) (or _to_train), "
+    "or allow_exported_model_train_eval(model) first"
+)
+
+
+def _train(self, mode: bool = True):
+    raise NotImplementedError(_TRAIN_EVAL_MESSAGE)
+
+
+def _eval(self):
+    raise NotImplementedError(_TRAIN_EVAL_MESSAGE)
+
+
+def disallow_train_eval(gm: GraphModule) -> GraphModule:
+    """Make ``gm.train()`` / ``gm.eval()`` raise, as on ``torch.export``'s modules (and torchao's
+    prepared and converted ones): on a captured graph they would silently change nothing."""
+    gm.train = types.MethodType(_train, gm)
+    gm.eval = types.MethodType(_eval, gm)
+    return gm
+
+
 def copy_sharing_parameters(gm: GraphModule) -> GraphModule:
     """A deep copy of ``gm`` (graph, submodules, buffers, meta) whose parameters are ``gm``'s
     own tensors, not copies; observers are copied whole (their state is what differs).
@@ -58,6 +87,30 @@ def copy_sharing_parameters(gm: GraphModule) -> GraphModule:
 
 def _describe(key: EdgeOrNode) -> str:
     return f"{key[0].name} -> {key[1].name}" if isinstance(key, tuple) else key.name
+
+
+def _writes_state(node: Node, arg: Node) -> bool:
+    """Whether ``node`` writes in place into ``arg`` (its first argument, e.g. ``index_put_``,
+    ``copy_``) and ``arg`` is module state (computed from attributes only, e.g. a buffer or a
+    view of one): an observer there would make the op write into a dequantized copy instead
+    of the buffer (torchao's prepare skips the same edges)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not node.args or node.args[0] is not arg:
+        return False
+    alias = schema.arguments[0].alias_info if schema.arguments else None
+    if alias is None or not alias.is_write:
+        return False
+    todo, seen, attrs = [arg], set(), False
+    while todo:
+        cur = todo.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        if cur.op == "placeholder":
+            return False
+        attrs = attrs or cur.op == "get_attr"
+        todo.extend(cur.all_input_nodes)
+    return attrs
 
 
 class _Inserter:
@@ -96,7 +149,7 @@ class _Inserter:
             return arg
         orig = self.original(arg)
         obs = self.observers.get((orig, node))
-        if obs is None:
+        if obs is None or _writes_state(node, orig):
             return arg
         if self.observers.get(orig) is obs:
             return arg  # the producer's output observer already is this observer
@@ -235,4 +288,4 @@ def prepare_in_place(model: GraphModule, quantizer) -> GraphModule:
     prepared = GraphModule(model, model.graph)
     prepared.meta.update(meta)
     prepared.meta["quantkit_prepared"] = True
-    return prepared
+    return disallow_train_eval(prepared)

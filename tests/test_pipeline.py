@@ -1,6 +1,7 @@
 """prepare → calibrate → convert with W8A8Quantizer: numerics, graph shape, configuration, errors."""
 
 import collections
+import warnings
 
 import pytest
 import torch
@@ -462,3 +463,63 @@ def test_token_axes_recorded_at_prepare():
     obs_x = modules[next(n.target for n in observer_nodes if n.args[0].name == "x")]
     real = x[mask.bool()]
     assert float(obs_x.max_val) == float(real.max()) < 50.0
+
+
+# --- behaviours torchao's PT2E suite checks (benchmarks/run_torchao_pt2e_suite.py) -------
+
+def test_linear_batch_norm_folded_for_2d_outputs_only():
+    torch.manual_seed(0)
+    for x, fold in ((torch.randn(16, 8), True), (torch.randn(4, 5, 8), False)):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 5), torch.nn.BatchNorm1d(5)).eval()
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            prepared = quantkit.prepare(quantkit.capture(model, (x,)), W8A8Quantizer())
+        bns = [n for n in prepared.graph.nodes if "batch_norm" in str(n.target)]
+        assert (len(bns) == 0) == fold
+        assert fold or any("Not fusing linear+bn" in str(w.message) for w in caught)
+        with torch.no_grad():
+            torch.testing.assert_close(prepared(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_buffer_written_in_place_is_state_not_a_folded_constant():
+    class Cache(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("buf", torch.zeros(4))
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x, idx):
+            return self.lin(self.buf.index_put_((idx,), x).clone()[None])
+
+    ex = (torch.tensor([1.0, 2.0]), torch.tensor([1, 3]))
+    gm = torch.export.export(Cache(), ex, strict=True).module()
+    prepared = quantkit.prepare(gm, W8A8Quantizer())
+    quantkit.calibrate(prepared, [ex], progress=False)
+    qmodel = quantkit.convert(prepared)
+    assert "buf" in dict(qmodel.named_buffers())  # the linear's weight is folded, the buffer is not
+    index_put = next(n for n in qmodel.graph.nodes if n.target == torch.ops.aten.index_put_.default)
+    assert index_put.args[0].op == "get_attr" and index_put.args[0].target == "buf"
+    assert _counts(qmodel)["dequantize_per_channel.default"] == 1
+
+
+def test_convert_without_observers():
+    model, x = make_mlp()
+    gm = quantkit.capture(model, (x[:8],))
+    with pytest.raises(quantkit.ConvertError, match="no observers; call quantkit.prepare"):
+        quantkit.convert(gm)  # never prepared
+    prepared = quantkit.prepare(gm, W8A8Quantizer().set_global(None))  # nothing to quantize
+    qmodel = quantkit.convert(prepared)
+    assert not _counts(qmodel)
+    with torch.no_grad():
+        assert torch.equal(qmodel(x), model(x))
+
+
+def test_prepared_and_converted_graphs_refuse_train_eval_like_exported_ones():
+    prepared, x = _prepared_mlp()
+    quantkit.calibrate(prepared, [(x,)], progress=False)
+    for gm in (prepared, quantkit.convert(prepared)):
+        for call in (gm.eval, gm.train):
+            with pytest.raises(NotImplementedError, match="move_exported_model_to_eval"):
+                call()
