@@ -103,9 +103,10 @@ class HistogramObserver(QuantkitObserver):
     The histogram has ``bins`` bins (``"kl"``: 64 times as many, see below) of width
     ``2^bin_exp``, aligned at 0 (bin ``k`` is ``[k·2^bin_exp, (k+1)·2^bin_exp)``), the
     narrowest such bins that cover the observed ``[min, max]`` (so the data spans between
-    half and all of them). It lives on the data's device and accumulates in float64. When a batch widens the range, the width
-    doubles as often as needed and whole bins merge: no count is split, and a value's bin
-    does not depend on the order the data came in. ``merge`` combines observers from other
+    half and all of them). It lives on the data's device and accumulates in float64.
+    When a batch widens the range, the width doubles as often as needed and whole bins
+    merge: no count is split, and a value's bin does not depend on the order the data
+    came in. ``merge`` combines observers from other
     processes the same way, so two observers fed halves of a dataset and merged hold
     exactly the histogram of one observer fed all of it.
 
@@ -153,7 +154,7 @@ class HistogramObserver(QuantkitObserver):
         self.register_buffer("histogram", torch.zeros(stored, dtype=torch.float64))
         self.register_buffer("min_val", torch.tensor(float("inf")))
         self.register_buffer("max_val", torch.tensor(float("-inf")))
-        # bin k covers [k·2^bin_exp, (k+1)·2^bin_exp), k = bin_start .. bin_start + bins − 1
+        # bin k covers [k·2^bin_exp, (k+1)·2^bin_exp), k = bin_start .. bin_start + stored − 1
         self.register_buffer("bin_exp", torch.tensor(0, dtype=torch.int64))
         self.register_buffer("bin_start", torch.tensor(0, dtype=torch.int64))
 

@@ -102,9 +102,9 @@ def test_kl_view_matches_numpy_histogram():
     # each bin is off by a fraction of the values within one fine bin (64 per bin here) of its edges
     err = np.abs(ours - ref)
     assert err.sum() <= 0.01 * x.numel() and np.all(err <= 0.1 * ref + 2), (err.sum(), err.max())
-    # the sparse tail keeps its empty bins: 10% of the data sits beyond bin 40
-    tail = ref[40:] == 0
-    assert np.mean((ours[40:] == 0) == tail) >= 0.97
+    # the sparse tail (280 values beyond bin 400, 87% of its bins empty) is nearly exact,
+    # empty bins included: TensorRT's divergence turns on which end bins are empty
+    assert np.mean(ours[400:] == ref[400:]) >= 0.99
 
 
 @pytest.mark.parametrize("levels", [256, 128])
@@ -116,8 +116,8 @@ def test_kl_divergence_matches_reference_on_windows(levels):
     rng = np.random.default_rng(0)
     start = z - rng.integers(0, 700, 60)  # the bulk and the sparse tails (t(3): 65 at 2048 bins)
     stop = np.maximum(z + rng.integers(0, 700, 60), start + 130)
-    tables = hs._KLTables(view, -(-4096 // levels), 4097)
-    ours = hs.kl_divergence(tables, start, stop, levels)
+    tables = hs._KLTables(view, levels, 4096)
+    ours = hs.kl_divergence(tables, start, stop)
     ref = np.array([kl_reference(view, int(a), int(b), levels) for a, b in zip(start, stop)])
     assert np.isfinite(ref).sum() >= 10 and np.isinf(ref).sum() >= 1
     np.testing.assert_allclose(ours, ref, rtol=1e-9, atol=1e-12)
@@ -134,10 +134,10 @@ def test_kl_affine_search_finds_the_window_minimum():
     view[z] = view[z + 1]
     start, stop = (v.reshape(-1) for v in np.meshgrid(np.arange(z + 1), np.arange(z, view.size + 1), indexing="ij"))
     ok = stop - start >= hs.KL_START_BIN
-    tables = hs._KLTables(view, 2, 513)
-    best = float(hs.kl_divergence(tables, start[ok], stop[ok], 256).min())
+    tables = hs._KLTables(view, 256, 512)
+    best = float(hs.kl_divergence(tables, start[ok], stop[ok]).min())
     s, e = z + round(a / w), z + round(b / w)  # bin edges
-    chosen = float(hs.kl_divergence(tables, np.array([s]), np.array([e]), 256)[0])
+    chosen = float(hs.kl_divergence(tables, np.array([s]), np.array([e]))[0])
     assert chosen <= best * 1.01 + 1e-12, f"searched KL {chosen:.6f} vs exhaustive {best:.6f}"
 
 
