@@ -33,6 +33,7 @@ _CHOOSE_QPARAMS = {
     torch.per_tensor_affine: _OPS.choose_qparams.tensor,
     torch.per_tensor_symmetric: _OPS.choose_qparams_symmetric.tensor,
 }
+_CHOOSE_OPS = frozenset(_CHOOSE_QPARAMS.values()) | {_OPS.choose_qparams_per_token.default}
 _SUPPORTED = (torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32)
 
 
@@ -258,11 +259,14 @@ def _fold_constant_quantizes(conv: "_Converter") -> None:
 
 
 def _duplicate_dequantize(gm: GraphModule) -> None:
-    """Give every consumer of a dequantize its own copy (the pattern Inductor matches)."""
+    """Give every consumer of a dequantize its own copy (the pattern Inductor matches). A
+    dynamic requantization of the value (``choose_qparams`` + ``quantize(x, scale, zp)``) is one
+    consumer: its choose_qparams reads the dequantize its quantize reads (as in torchao)."""
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in DEQUANTIZE_OPS or len(node.users) <= 1:
+        if node.op != "call_function" or node.target not in DEQUANTIZE_OPS:
             continue
-        for user in list(node.users)[1:]:
+        users = [u for u in node.users if u.target not in _CHOOSE_OPS]
+        for user in users[1:]:
             with gm.graph.inserting_after(node):
                 copy = gm.graph.node_copy(node)
             user.replace_input_with(node, copy)
