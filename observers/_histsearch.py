@@ -138,7 +138,9 @@ def kl_view(hist: np.ndarray, h_lo: float, h_hi: float, lo: float, hi: float,
     n = hist.shape[0]
     pos = np.clip((edges - h_lo) * (n / (h_hi - h_lo)), 0.0, n)
     k = np.minimum(pos.astype(np.intp), n - 1)  # pos >= 0: truncation is floor
-    cum = np.concatenate(([0.0], np.cumsum(hist)))
+    cum = np.empty(n + 1)
+    cum[0] = 0.0
+    np.cumsum(hist, out=cum[1:])
     c = np.rint(cum[k] + (pos - k) * hist[k])
     c[0], c[-1] = 0.0, cum[-1]  # the edges span [lo, hi]: nothing below, everything in
     return np.diff(c), n_neg, w
@@ -170,12 +172,15 @@ class _KLTables:
         self.nzc = np.concatenate(([0.0], np.cumsum(h > 0)))
         self.xl = _xlogx(h)
         self.hlh = np.concatenate(([0.0], np.cumsum(self.xl)))
-        p = np.arange(n + 1)[:, None]
-        end = np.minimum(p + np.arange(width), n)
-        g = self.cum[end] - self.cum[p]
-        nz = (self.nzc[end] - self.nzc[p]).astype(np.intp)
+        # mass and non-zero bins of every group, built per group size m from shifted
+        # prefix sums (groups past the last bin are never looked up: left 0)
+        g = np.zeros((width, n + 1))
+        nz = np.zeros((width, n + 1), dtype=np.intp)
+        for m in range(1, min(width, n + 1)):
+            np.subtract(self.cum[m:], self.cum[: n + 1 - m], out=g[m, : n + 1 - m])
+            nz[m, : n + 1 - m] = self.nzc[m:] - self.nzc[: n + 1 - m]
         # G·log G − G·log nz; nz < width, so its log is a look-up
-        self.v = (_xlogx(g) - g * _log_counts(width)[nz]).reshape(-1)
+        self.v = np.ascontiguousarray((_xlogx(g) - g * _log_counts(width)[nz]).T).reshape(-1)
 
 
 @functools.lru_cache(maxsize=4)

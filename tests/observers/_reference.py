@@ -60,12 +60,19 @@ def tensorrt_entropy_amax(x, num_bits: int = 8, unsigned: bool = False, num_bins
 
 
 def tensorrt_entropy_bin(hist, num_bits: int = 8, unsigned: bool = False, start_bin: int = 128) -> int:
+    """``_compute_amax_entropy``'s choice on the ``|x|`` counts ``hist``: the ``i`` of the
+    last smallest of :func:`tensorrt_entropy_divergences`."""
+    kl = tensorrt_entropy_divergences(hist, num_bits, unsigned, start_bin)
+    return start_bin + len(kl) - 1 - int(np.argmin(kl[::-1]))
+
+
+def tensorrt_entropy_divergences(hist, num_bits: int = 8, unsigned: bool = False,
+                                 start_bin: int = 128) -> np.ndarray:
     """``_compute_amax_entropy``'s loop on the ``|x|`` counts ``hist``: bin 0 takes bin 1's
     count; for each ``i = start_bin .. len(hist)``: P = the first ``i`` bins with the rest
     added to bin ``i − 1``, Q = those bins merged into ``2^(num_bits − 1 + unsigned)``
     levels (``np.digitize`` on ``np.linspace(0, i, levels + 1)``) and spread back over
-    their non-zero bins, ``KL = scipy.stats.entropy(P, Q)``. Returns the ``i`` of the last
-    smallest KL.
+    their non-zero bins, ``KL = scipy.stats.entropy(P, Q)``. Returns the KLs, one per ``i``.
 
     The candidates are built one at a time; ``entropy`` runs on blocks of them at once
     (``axis=1``: each row normalised on its own, as one call per candidate would)."""
@@ -90,7 +97,7 @@ def tensorrt_entropy_bin(hist, num_bits: int = 8, unsigned: bool = False, start_
             p[r, :i] = bins[:i]
             p[r, i - 1] += bins[i:].sum()
         kl[b0:b0 + len(rows)] = entropy(p, q, axis=1)
-    return start_bin + len(kl) - 1 - int(np.argmin(kl[::-1]))
+    return kl
 
 
 def mse_threshold_reference(abs_hist, amax: float, quant_max: int = 127) -> float:

@@ -26,6 +26,8 @@ from tests.observers._reference import (
     mse_threshold_reference,
     sample,
     tensorrt_entropy_amax,
+    tensorrt_entropy_bin,
+    tensorrt_entropy_divergences,
 )
 
 SYM = dict(dtype=torch.int8, qscheme=torch.per_tensor_symmetric)
@@ -75,6 +77,21 @@ def test_kl_matches_tensorrt_entropy_calibrator(dist):
     obs = _observe(HistogramObserver(method="kl", **SYM), x)
     ours = float(obs._min_max()[1])
     assert abs(ours - trt) / trt <= 0.03, f"{dist}: KL threshold {ours:.4f} vs TensorRT {trt:.4f}"
+
+
+@pytest.mark.parametrize("levels", [128, 256])
+def test_kl_abs_search_equals_tensorrt_loop_on_the_same_bins(levels):
+    # the divergences and the choice alone, on given |x| counts: a heavy tail with many
+    # empty bins (KL = inf where the tail lands on one) and a spike
+    x = torch.cat([_sample("student_t", 30_000, seed=5).abs(), torch.full((500,), 0.3)])
+    counts = torch.histc(x, 2048, 0, float(x.max())).double().numpy()
+    ref = tensorrt_entropy_divergences(counts, unsigned=levels == 256)
+    counts[0] = counts[1]  # TensorRT's bin 0 (the reference does it to its own copy)
+    stop = np.arange(hs.KL_START_BIN, 2049)
+    ours = hs.kl_divergence(hs._KLTables(counts, levels, 2048), np.zeros_like(stop), stop)
+    assert np.isinf(ref).sum() >= 100 and np.array_equal(np.isinf(ours), np.isinf(ref))
+    np.testing.assert_allclose(ours[np.isfinite(ref)], ref[np.isfinite(ref)], rtol=1e-9, atol=1e-13)
+    assert hs.search_abs_kl(counts, levels) == tensorrt_entropy_bin(counts, unsigned=levels == 256)
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0], ids=["non-negative", "non-positive"])
