@@ -14,7 +14,11 @@ Usage::
     python benchmarks/run_torchao_pt2e_suite.py --torchao             # torchao's own flow (the baseline)
     python benchmarks/run_torchao_pt2e_suite.py -k fold_quantize      # a subset (pytest -k)
 
-Prints ``N of M passed`` and the failing tests' names.
+Prints ``N of M passed`` and the failing tests' names, each with pytest's reason or, for the
+deliberate differences listed in ``DIFFERENCES``, why quantkit behaves otherwise.
+
+Measured (torch 2.13, torchao 0.18.0, 2 CPU cores): torchao's flow 64 of 64; quantkit's 54 of 64
+(38 before issue 12).
 """
 
 from __future__ import annotations
@@ -31,6 +35,21 @@ from pathlib import Path
 MIRROR = "/work/.mirror/pytorch+ao/repo"
 TEST_DIR = "test/quantization/pt2e"
 TEST_FILE = "test_quantize_pt2e.py"
+
+# failures that are quantkit's deliberate behaviour (or a later issue's scope), not bugs
+DIFFERENCES = {
+    "test_allow_implicit_sharing_with_shared_input_edge":
+        "reads the observers off the model passed to prepare_pt2e; quantkit.prepare never modifies its input",
+    "test_reentrant": "converts a never-calibrated model; quantkit.convert refuses (ConvertError naming the observer)",
+    "test_constant_folding_pass": "looks for torchao's folded-weight name _frozen_param0; quantkit names them _qk_int_weight_N",
+    "test_quantize_kwargs": "expects tensor keyword arguments to be refused; quantkit.prepare observes them like positional ones",
+    "test_quantization_dtype_bfloat16_float8_e4m3fn": "float8 quantize ops: the FP8 issue",
+    "test_quantization_dtype_bfloat16_float8_e5m2": "float8 quantize ops: the FP8 issue",
+    "test_quantization_dtype_float32_float8_e4m3fn": "float8 quantize ops: the FP8 issue",
+    "test_quantization_dtype_float32_float8_e5m2": "float8 quantize ops: the FP8 issue",
+    "test_scan_op_quantization": "not done yet: observers inside scan combine_fn subgraphs (prepare/convert do not recurse)",
+    "test_while_loop_op_quantization": "not done yet: observers inside while_loop body_fn subgraphs",
+}
 
 # the conftest written next to the test file: swaps the flow functions in every module that
 # holds a reference to them before the test module is imported
@@ -88,7 +107,7 @@ def main(argv=None) -> int:
                "--rootdir", str(tests), TEST_FILE]
         if args.keyword:
             cmd += ["-k", args.keyword]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+        env = dict(os.environ, COLUMNS="400", PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                                         os.environ.get("PYTHONPATH")])))
         proc = subprocess.run(cmd, cwd=tests, env=env, capture_output=True, text=True, timeout=args.timeout)
     finally:
@@ -104,8 +123,8 @@ def main(argv=None) -> int:
     print(f"{passed} of {total} passed ({flow} prepare/convert; {counts.get('skipped', 0)} skipped)")
     for name in failed:
         line = next((ln for ln in out.splitlines() if ln.startswith(("FAILED", "ERROR")) and f"::{name}" in ln), "")
-        reason = line.split(" - ", 1)[1] if " - " in line else ""
-        print(f"  FAILED {name}: {reason[:160]}")
+        reason = DIFFERENCES.get(name) or (line.split(" - ", 1)[1][:200] if " - " in line else "")
+        print(f"  FAILED {name}: {reason}")
     if total == 0:
         print(out[-3000:])
     return 0 if passed == total and total > 0 else 1
