@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from . import _artifact, _cli_inputs as inputs, _cli_report as report
+from . import _artifact, _cli_data as datasets, _cli_inputs as inputs, _cli_report as report
 from ._cli_quantize import REPORT_JSON, TOKENIZER_DIR
 from ._errors import QuantkitError
 
@@ -132,7 +132,7 @@ class _Source:
     """quantization.json's ``source``, checked field by field."""
 
     model: inputs.ModelSpec
-    data: inputs.DataSpec
+    data: datasets.DataSpec
     fingerprint: str
     samples: int
     heldout: list[int]
@@ -163,7 +163,7 @@ def _source(path: Path, doc: dict) -> _Source:
                                                         and 0 <= i < samples for i in v))
     return _Source(
         model=inputs.ModelSpec.from_json(src.get("model")),
-        data=inputs.DataSpec.from_json(data),
+        data=datasets.DataSpec.from_json(data),
         fingerprint=field("fingerprint", str),
         samples=samples,
         heldout=heldout,
@@ -197,16 +197,16 @@ def _float_spec(args, source: _Source) -> inputs.ModelSpec:
 
 def _eval_samples(source: _Source, data_arg: str | None, example_ndims):
     if data_arg is not None:
-        data = inputs.DataSpec.from_arg(data_arg)
-        samples, origins = inputs.read_samples(data, example_ndims=example_ndims)
+        data = datasets.DataSpec.from_arg(data_arg)
+        samples, origins = datasets.read_samples(data, example_ndims=example_ndims)
         return samples, origins, "given data"
     data = source.data
     if data.kind != "default" and not (Path(data.path).is_dir() if data.kind == "tensors" else Path(data.path).is_file()):
         raise QuantkitError(f"the calibration data this artifact was split from, {data.path!r}, does not exist "
                             "any more (or is not a " + ("directory" if data.kind == "tensors" else "file")
                             + "); pass --data PATH to evaluate on other data")
-    samples, origins = inputs.read_samples(data, example_ndims=example_ndims)
-    if len(samples) != source.samples or inputs.fingerprint(source.data) != source.fingerprint:
+    samples, origins = datasets.read_samples(data, example_ndims=example_ndims)
+    if len(samples) != source.samples or datasets.fingerprint(source.data) != source.fingerprint:
         raise QuantkitError("the calibration data changed since quantize, so its held-out split is lost; "
                             "pass --data PATH to evaluate on other data")
     return [samples[i] for i in source.heldout], [origins[i] for i in source.heldout], "held-out split"
@@ -280,7 +280,7 @@ def run_eval(args, say) -> int:
     progress = not args.quiet
     ndims = [len(s) for s, _ in inputs.parse_example_input(spec.example_input)] if spec.kind == "factory" else None
     samples, origins, where = _eval_samples(source, args.data, ndims)
-    bad = set(inputs.nonfinite(samples))
+    bad = set(datasets.nonfinite(samples))
     if bad and not args.skip_nonfinite:
         first = origins[min(bad)]
         raise QuantkitError(f"eval sample {first} holds NaN or inf ({len(bad)} of {len(samples)} samples do); "
@@ -304,9 +304,9 @@ def run_eval(args, say) -> int:
         loaded.tokenizer = transformers.AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True,
                                                                       trust_remote_code=False)
     batch_size = args.batch_size or source.batch_size
-    batches = inputs.make_batches(samples, loaded, seq_len=source.seq_len, batch_size=batch_size, what="eval",
+    batches = datasets.make_batches(samples, loaded, seq_len=source.seq_len, batch_size=batch_size, what="eval",
                                   origins=origins)
-    batches = [inputs.to_device(b, device) for b in batches]
+    batches = [datasets.to_device(b, device) for b in batches]
     where_of = [origins[i:i + batch_size] for i in range(0, len(origins), batch_size)]
     qmodel = _load_int8(path, device)
 
@@ -314,7 +314,7 @@ def run_eval(args, say) -> int:
     timed = {"float (eager)": loaded.model, "int8 (q/dq reference)": qmodel}
     if args.compile:
         # one static shape: each model compiles once (dynamic shapes compile to slow CPU kernels)
-        static = inputs.static_shapes(batches, pad_id=inputs.pad_id_of(loaded))
+        static = datasets.static_shapes(batches, pad_id=datasets.pad_id_of(loaded))
         fast_float, fast_int8, note = _compiled(loaded.model, qmodel, static)
         if fast_int8 is not None:
             timed = {"float (compiled)": fast_float, "int8 (compiled)": fast_int8}

@@ -15,7 +15,7 @@ from enum import Enum
 from pathlib import Path
 
 
-from . import _artifact, _cli_inputs as inputs, _cli_report as report
+from . import _artifact, _cli_data as datasets, _cli_inputs as inputs, _cli_report as report
 from ._errors import QuantkitError
 
 __all__ = ["Scheme", "Recipe", "run_quantize", "REPORT_JSON", "REPORT_MD", "TOKENIZER_DIR"]
@@ -227,7 +227,7 @@ def _check(args, recipe: Recipe):
     """Everything that can be checked without loading the model or the data."""
     device = inputs.check_device(args.device)
     spec = inputs.ModelSpec.from_args(args.model, args.weights, args.example_input, args.task)
-    data = inputs.DataSpec.from_arg(args.calib)
+    data = datasets.DataSpec.from_arg(args.calib)
     for flag, v, lo in (("--num-calib", args.num_calib, 1), ("--seq-len", args.seq_len, 2), ("--batch-size", args.batch_size, 1)):
         if v is not None and v < lo:
             raise inputs.UsageError(f"{flag} must be at least {lo}, got {v}")
@@ -241,28 +241,28 @@ def _check(args, recipe: Recipe):
     return spec, data, out, device
 
 
-def _nonfinite_split(samples, origins, split: inputs.Split, skip: bool, what: str) -> tuple[inputs.Split, list[str]]:
+def _nonfinite_split(samples, origins, split: datasets.Split, skip: bool, what: str) -> tuple[datasets.Split, list[str]]:
     """Leave samples holding NaN/inf out of the split (``skip``), or fail naming the first."""
-    bad = inputs.nonfinite(samples)
+    bad = datasets.nonfinite(samples)
     if bad and not skip:
         raise QuantkitError(f"{what} sample {origins[bad[0]]} holds NaN or inf ({len(bad)} of {len(samples)} "
                             "samples do); fix the data, or pass --skip-nonfinite to leave such samples out")
     drop = set(bad)
-    kept = inputs.Split(calib=[i for i in split.calib if i not in drop],
+    kept = datasets.Split(calib=[i for i in split.calib if i not in drop],
                         heldout=[i for i in split.heldout if i not in drop])
     if bad and not kept.calib:
         raise QuantkitError(f"every calibration sample holds NaN or inf ({len(bad)} of {len(samples)}); "
                             "nothing is left to calibrate on: fix the data")
     if bad and not kept.heldout:  # evaluate on what calibrates rather than on nothing
-        kept = inputs.Split(calib=kept.calib, heldout=kept.calib)
+        kept = datasets.Split(calib=kept.calib, heldout=kept.calib)
     return kept, [origins[i] for i in bad]
 
 
 def _batches(samples, origins, indices, loaded, *, what, seq_len, batch_size, device):
     picked = [samples[i] for i in indices]
     where = [origins[i] for i in indices]
-    batches = inputs.make_batches(picked, loaded, what=what, seq_len=seq_len, batch_size=batch_size, origins=where)
-    return [inputs.to_device(b, device) for b in batches], [where[i:i + batch_size] for i in range(0, len(where), batch_size)]
+    batches = datasets.make_batches(picked, loaded, what=what, seq_len=seq_len, batch_size=batch_size, origins=where)
+    return [datasets.to_device(b, device) for b in batches], [where[i:i + batch_size] for i in range(0, len(where), batch_size)]
 
 
 def run_quantize(args, say) -> int:
@@ -275,8 +275,8 @@ def run_quantize(args, say) -> int:
     example_ndims = None
     if spec.kind == "factory":
         example_ndims = [len(s) for s, _ in inputs.parse_example_input(spec.example_input)]
-    samples, origins = inputs.read_samples(data, example_ndims=example_ndims)
-    split = inputs.split_samples(len(samples), num_calib=args.num_calib)
+    samples, origins = datasets.read_samples(data, example_ndims=example_ndims)
+    split = datasets.split_samples(len(samples), num_calib=args.num_calib)
     split, skipped = _nonfinite_split(samples, origins, split, args.skip_nonfinite, "calibration")
     t = clock.start
     loaded = inputs.load_model(spec, progress=progress, allow_mismatch=args.allow_missing_weights)
@@ -338,7 +338,7 @@ def run_quantize(args, say) -> int:
             from torch.export.passes import move_to_device_pass
 
             program = move_to_device_pass(program, "cpu")
-    source = {"model": spec.to_json(), "data": data.to_json(), "fingerprint": inputs.fingerprint(data),
+    source = {"model": spec.to_json(), "data": data.to_json(), "fingerprint": datasets.fingerprint(data),
               "samples": len(samples), "heldout": split.heldout, "seq_len": args.seq_len,
               "batch_size": args.batch_size, "output": kind,
               "allow_missing_weights": bool(args.allow_missing_weights)}
