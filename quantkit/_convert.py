@@ -11,7 +11,14 @@ from torch.fx.node import map_arg
 from quantkit.observers import QuantkitObserver
 
 from ._errors import ConvertError
-from ._prepare import copy_sharing_parameters, disallow_train_eval, is_observer_node, is_prepared
+from ._prepare import (
+    control_flow_subgraphs,
+    copy_sharing_parameters,
+    disallow_train_eval,
+    is_observer_node,
+    is_prepared,
+    set_submodule,
+)
 from ._qmath import is_per_channel, underlying_dtype
 
 __all__ = ["convert", "convert_in_place", "emit_dynamic", "QPARAMS_META_KEY", "QUANTIZE_OPS", "DEQUANTIZE_OPS"]
@@ -273,7 +280,10 @@ def _duplicate_dequantize(gm: GraphModule) -> None:
 
 
 def _remove_unused_attributes(gm: GraphModule) -> None:
-    used = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    used = set()
+    for prefix, mod in gm.named_modules(remove_duplicate=False):
+        if isinstance(mod, GraphModule):  # the graph itself and its control-flow subgraphs
+            used.update(f"{prefix}.{n.target}" if prefix else str(n.target) for n in mod.graph.nodes if n.op == "get_attr")
     for name, _ in list(gm.named_parameters(remove_duplicate=False)) + list(gm.named_buffers(remove_duplicate=False)):
         if name in used:
             continue
@@ -319,24 +329,22 @@ def _check_prepared(prepared: GraphModule) -> None:
         raise ConvertError("the model has no observers; call quantkit.prepare(model, quantizer) before convert")
 
 
-def convert_in_place(prepared: GraphModule) -> GraphModule:
-    """:func:`convert` without the copy: the observers of ``prepared`` are consumed and its
-    graph rewritten; for callers whose prepared model is private (``quantize``). On an
-    error, ``prepared`` is left as it was."""
-    _check_prepared(prepared)
-    conv = _Converter(prepared)
-    # a prepared model whose quantizer annotated nothing has none: it converts to itself
-    obs_nodes = [n for n in prepared.graph.nodes if is_observer_node(n, conv.modules)]
-    # weights first: observe constants that calibration did not reach, then check
-    # every activation observer before changing anything, so a failure leaves the
-    # prepared model as it was
+def _observe_weights_and_check(prepared: GraphModule) -> None:
+    """Observe constants that calibration did not reach, then check every activation observer
+    (of ``prepared`` and of its control-flow subgraphs) before anything is rewritten, so a
+    failure leaves the prepared model as it was."""
+    for target in control_flow_subgraphs(prepared):
+        _observe_weights_and_check(prepared.get_submodule(target))
+    modules = dict(prepared.named_modules(remove_duplicate=False))
+    memo: dict = {}
+    obs_nodes = [n for n in prepared.graph.nodes if is_observer_node(n, modules)]
     for node in obs_nodes:
-        obs = conv.modules[str(node.target)]
-        const = _constant_value(prepared, node.args[0], conv.memo)
+        obs = modules[str(node.target)]
+        const = _constant_value(prepared, node.args[0], memo)
         if isinstance(const, torch.Tensor) and not _is_calibrated(obs) and not getattr(obs, "is_dynamic", False):
             obs(const)
     for node in obs_nodes:
-        obs = conv.modules[str(node.target)]
+        obs = modules[str(node.target)]
         if not getattr(obs, "is_dynamic", False) and not _is_calibrated(obs):
             hint = ("the model was never calibrated" if not prepared.meta.get("quantkit_calibrated_batches")
                     else "no calibration batch reached it")
@@ -344,12 +352,52 @@ def convert_in_place(prepared: GraphModule) -> GraphModule:
                 f"observer at node '{getattr(obs, 'node_name', node.name)}' has seen no data ({hint}); "
                 "run quantkit.calibrate(prepared, data) before convert"
             )
-    for node in obs_nodes:
+
+
+def _delete_unused_submodules(gm: GraphModule) -> None:
+    """Delete the submodules (observers) that no node of ``gm`` reaches; unlike
+    ``GraphModule.delete_all_unused_submodules``, a subgraph attribute (``get_attr`` of a
+    scan / while_loop body) keeps its own submodules."""
+    used = set()
+    for node in gm.graph.nodes:
+        if node.op in ("call_module", "get_attr"):
+            atoms = str(node.target).split(".")
+            used.update(".".join(atoms[:i]) for i in range(1, len(atoms) + 1))
+            sub = gm.get_submodule(str(node.target)) if node.op == "call_module" or isinstance(
+                _attr(gm, str(node.target)), torch.nn.Module) else None
+            if sub is not None:
+                used.update(f"{node.target}.{name}" for name, _ in sub.named_modules() if name)
+    for name, _ in sorted(gm.named_modules(remove_duplicate=False), key=lambda kv: -kv[0].count(".")):
+        if name and name not in used:
+            *path, attr = name.split(".")
+            try:
+                owner = gm.get_submodule(".".join(path)) if path else gm
+            except AttributeError:  # its parent was deleted already
+                continue
+            delattr(owner, attr)
+
+
+def convert_in_place(prepared: GraphModule, _nested: bool = False) -> GraphModule:
+    """:func:`convert` without the copy: the observers of ``prepared`` are consumed and its
+    graph rewritten; for callers whose prepared model is private (``quantize``). On an
+    error, ``prepared`` is left as it was. The subgraphs of ``scan`` / ``while_loop`` are
+    converted first, each as a graph of its own (as torchao's ``convert_pt2e``)."""
+    if not _nested:
+        _check_prepared(prepared)
+        _observe_weights_and_check(prepared)
+    records: list[dict] = []
+    for target in control_flow_subgraphs(prepared):
+        sub = convert_in_place(prepared.get_submodule(target), _nested=True)
+        records.extend(sub.meta.get(QPARAMS_META_KEY, []))
+        set_submodule(prepared, target, sub)
+    conv = _Converter(prepared)
+    # a prepared model whose quantizer annotated nothing has none: it converts to itself
+    for node in [n for n in prepared.graph.nodes if is_observer_node(n, conv.modules)]:
         conv.replace(node)
     _fold_constant_quantizes(conv)
     _duplicate_dequantize(prepared)
     prepared.graph.eliminate_dead_code()
-    prepared.delete_all_unused_submodules()
+    _delete_unused_submodules(prepared)
     _remove_unused_attributes(prepared)
     prepared.recompile()
     converted = GraphModule(prepared, prepared.graph)
@@ -357,5 +405,5 @@ def convert_in_place(prepared: GraphModule) -> GraphModule:
     converted.meta.pop("quantkit_prepared", None)
     converted.meta["quantkit_converted"] = True
     converted.meta.pop("_observed_graph_module_attrs", None)
-    converted.meta[QPARAMS_META_KEY] = conv.records
+    converted.meta[QPARAMS_META_KEY] = records + conv.records
     return disallow_train_eval(converted)

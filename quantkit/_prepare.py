@@ -17,6 +17,7 @@ from ._sharing import ANNOTATION_KEY, EdgeOrNode, observers_for_annotations
 __all__ = [
     "prepare", "OBSERVER_PREFIX", "is_observer_module", "is_observer_node", "mark_padding_aware",
     "copy_sharing_parameters", "prepare_in_place", "is_prepared", "disallow_train_eval",
+    "control_flow_subgraphs", "set_submodule",
 ]
 
 OBSERVER_PREFIX = "activation_post_process_"
@@ -39,6 +40,35 @@ def is_observer_module(module) -> bool:
 
 def is_observer_node(node: Node, modules: dict[str, torch.nn.Module]) -> bool:
     return node.op == "call_module" and is_observer_module(modules.get(str(node.target)))
+
+
+# control-flow ops whose subgraph arguments (GraphModule attributes of the parent) run the
+# model's own computation and are quantized like it: scan's combine_fn, while_loop's body_fn
+# (torchao's prepare_pt2e/convert_pt2e recurse into the same two; while_loop's cond_fn only
+# computes the loop condition)
+_SUBGRAPH_ARGS = {
+    torch.ops.higher_order.scan: (0,),
+    torch.ops.higher_order.while_loop: (1,),
+}
+
+
+def control_flow_subgraphs(gm: GraphModule) -> list[str]:
+    """Attribute names (targets) of the subgraphs of ``gm``'s control-flow ops that prepare and
+    convert recurse into (``scan`` combine_fn, ``while_loop`` body_fn), each once."""
+    names: list[str] = []
+    for node in gm.graph.nodes:
+        for i in _SUBGRAPH_ARGS.get(node.target, ()) if node.op == "call_function" else ():
+            arg = node.args[i] if i < len(node.args) else None
+            if isinstance(arg, Node) and arg.op == "get_attr" and str(arg.target) not in names:
+                if isinstance(gm.get_submodule(str(arg.target)), GraphModule):
+                    names.append(str(arg.target))
+    return names
+
+
+def set_submodule(gm: torch.nn.Module, target: str, module: torch.nn.Module) -> None:
+    """Replace the submodule at dotted path ``target`` of ``gm`` with ``module``."""
+    *path, attr = target.split(".")
+    setattr(gm.get_submodule(".".join(path)) if path else gm, attr, module)
 
 
 def is_prepared(gm: GraphModule) -> bool:
@@ -270,7 +300,9 @@ def _check_arguments(model, quantizer) -> None:
 
 def prepare_in_place(model: GraphModule, quantizer) -> GraphModule:
     """:func:`prepare` without the copy: ``model`` itself is rewritten (its graph, and its
-    folded conv weights replaced); for callers whose ``model`` is private (``quantize``)."""
+    folded conv weights replaced); for callers whose ``model`` is private (``quantize``).
+    The subgraphs of ``scan`` (combine_fn) and ``while_loop`` (body_fn) are annotated and
+    observed the same way, each as a graph of its own."""
     _check_arguments(model, quantizer)
     meta = dict(model.meta)
     fold_conv_bn(model)
@@ -285,6 +317,9 @@ def prepare_in_place(model: GraphModule, quantizer) -> GraphModule:
     for node in list(model.graph.nodes):
         inserter.process(node)
     mark_padding_aware(model)
+    # the bodies of scan / while_loop are graphs of their own: prepared the same way, in place
+    for target in control_flow_subgraphs(model):
+        set_submodule(model, target, prepare_in_place(model.get_submodule(target), quantizer))
     prepared = GraphModule(model, model.graph)
     prepared.meta.update(meta)
     prepared.meta["quantkit_prepared"] = True

@@ -523,3 +523,81 @@ def test_prepared_and_converted_graphs_refuse_train_eval_like_exported_ones():
         for call in (gm.eval, gm.train):
             with pytest.raises(NotImplementedError, match="move_exported_model_to_eval"):
                 call()
+
+
+class _ScanLinear(torch.nn.Module):
+    """A linear layer applied to each row by ``scan`` (its body is a subgraph of the export)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x, init):
+        from torch._higher_order_ops.scan import scan
+
+        def combine_fn(carry, row):
+            out = self.linear(row)
+            return carry + out, out
+
+        return scan(combine_fn, init=init, xs=x, dim=0)[1]
+
+
+class _WhileLinear(torch.nn.Module):
+    """``x = tanh(linear(x))`` three times by ``while_loop`` (body and condition are subgraphs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        from torch._higher_order_ops.while_loop import while_loop
+
+        def body(i, x):
+            return i + 1, torch.tanh(self.linear(x))
+
+        return while_loop(lambda i, x: i < 3, body, (torch.tensor(0), x))[1]
+
+
+def _subgraph(gm, op, index):
+    node = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is op)
+    return gm.get_submodule(node.args[index].target)
+
+
+@pytest.mark.parametrize("kind", ["scan", "while_loop"])
+def test_control_flow_bodies_are_observed_calibrated_and_converted(kind):
+    torch.manual_seed(0)
+    if kind == "scan":
+        model, inputs = _ScanLinear().eval(), (torch.randn(6, 16), torch.zeros(16))
+        op, index = torch.ops.higher_order.scan, 0
+        # what the linear layer sees: every row of x
+        seen = inputs[0]
+    else:
+        model, inputs = _WhileLinear().eval(), (torch.randn(4, 16),)
+        op, index = torch.ops.higher_order.while_loop, 1
+        # what the linear layer sees: x and the first two iterates, computed by an own loop
+        with torch.no_grad():
+            steps = [inputs[0].double()]
+            w, b = model.linear.weight.double(), model.linear.bias.double()
+            for _ in range(2):
+                steps.append(torch.tanh(steps[-1] @ w.T + b))
+        seen = torch.cat(steps)
+    prepared = quantkit.prepare(quantkit.capture(model, inputs), W8A8Quantizer())
+    body = _subgraph(prepared, op, index)
+    # activation and weight observers of the linear inside the body, none in the parent graph
+    assert len(_observers(body)) == 2
+    assert not any(n.op == "call_module" and "activation_post_process" in str(n.target) for n in prepared.graph.nodes)
+    with torch.no_grad():
+        torch.testing.assert_close(prepared(*inputs), model(*inputs), atol=1e-5, rtol=0)
+    quantkit.calibrate(prepared, [inputs], progress=False)
+    qmodel = quantkit.convert(prepared)
+    assert _counts(_subgraph(qmodel, op, index)) == {
+        "quantize_per_tensor.default": 1, "dequantize_per_tensor.default": 1,
+        "quantize_per_channel.default": 1, "dequantize_per_channel.default": 1,
+    }
+    # uint8 affine min/max over every iteration (the observer ran inside the loop each time)
+    act = next(r for r in qmodel.meta["quantkit_qparams"] if r["qscheme"] == "per_tensor_affine")
+    lo, hi = min(float(seen.min()), 0.0), max(float(seen.max()), 0.0)
+    assert act["scale"][0] == pytest.approx((hi - lo) / 255, rel=1e-5)
+    with torch.no_grad():  # scan/while_loop re-trace their body when autograd is on
+        db = sqnr(model(*inputs), qmodel(*inputs))
+    assert db >= 35.0, f"{kind}: W8A8 SQNR {db:.1f} dB < 35 dB"
