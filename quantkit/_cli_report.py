@@ -166,34 +166,32 @@ def compare_models(reference, candidates: dict, batches: list, *, origins: list[
     return kind, {name: sc.result(kind) for name, sc in scores.items()}
 
 
-def time_interleaved(models: dict, batches: list, *, min_calls: int = 12) -> dict:
+def time_interleaved(models: dict, batches: list, *, min_calls: int = 12, max_s: float = 30.0) -> dict:
     """Median wall time per batch of each model, measured interleaved.
 
-    After one untimed warm-up pass over every batch (compilation, allocator), the models
-    take turns batch by batch, the first of each turn rotating, so drifts of the machine
-    (frequency, other load) fall on all of them alike. Every model after the first gets a
-    ``speedup`` over the first: the median of the per-batch time ratios.
+    After one untimed warm-up call each (compilation, allocator), the models take turns batch
+    by batch, the first of each turn rotating, so drifts of the machine (frequency, other load)
+    fall on all of them alike. Rounds over the batches repeat until every model has ``min_calls``
+    timed calls, or stop after the round that passes ``max_s`` seconds. Every model after the
+    first gets a ``speedup`` over the first: the median of the per-batch time ratios.
     """
     names = list(models)
     times = {n: [] for n in names}
     rows = {n: [] for n in names}
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     with torch.no_grad():
-        for b in batches:
-            for n in names:
-                call_model(models[n], b)
-        rounds = max(1, math.ceil(min_calls / len(batches)))
-        turn = 0
-        for _ in range(rounds):
+        for n in names:
+            call_model(models[n], batches[0])
+        turn, start = 0, time.perf_counter()
+        while len(times[names[0]]) < min_calls and (turn == 0 or time.perf_counter() - start < max_s):
             for b in batches:
                 order = names[turn % len(names):] + names[:turn % len(names)]
                 turn += 1
                 for n in order:
-                    if torch.cuda.is_available():
-                        torch.cuda.synchronize()
+                    sync()
                     t0 = time.perf_counter()
                     call_model(models[n], b)
-                    if torch.cuda.is_available():
-                        torch.cuda.synchronize()
+                    sync()
                     times[n].append(time.perf_counter() - t0)
                     rows[n].append(_batch_size(b))
     out = {n: {"median_ms_per_batch": round(1e3 * statistics.median(times[n]), 3),
