@@ -5,7 +5,7 @@ Run from the repository root:
 
     python benchmarks/bench_observers.py            # everything, prints a Markdown section
     python benchmarks/bench_observers.py --no-model # synthetic tensors only
-    python benchmarks/bench_observers.py --kl-only --kl-seeds 40  # KL against TensorRT only
+    python benchmarks/bench_observers.py --kl-only --kl-seeds 40 --kl-before 0452f6b  # KL tables only
 
 All timings of one table come from the same run on the same tensors (ratios side by
 side). Threads default to 1: on a shared 2-core machine, intra-op threads make small
@@ -142,23 +142,75 @@ def bench_search(xs) -> list[str]:
     return rows
 
 
-def bench_kl_fidelity(seeds: int, n: int = 200_000) -> list[str]:
+def observers_at(rev: str):
+    """The ``observers`` package as of git revision ``rev``, imported under another name
+    (for before/after tables in one process)."""
+    import importlib
+    import tempfile
+
+    root = Path(__file__).resolve().parents[1]
+    git = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True,  # noqa: E731
+                                    check=True).stdout
+    name = "observers_" + git("rev-parse", "--short", rev).strip()
+    pkg = Path(tempfile.mkdtemp()) / name
+    pkg.mkdir()
+    for path in git("ls-tree", "--name-only", rev, "observers/").split():
+        (pkg / Path(path).name).write_text(git("show", f"{rev}:{path}"))
+    sys.path.insert(0, str(pkg.parent))
+    return importlib.import_module(name)
+
+
+def bench_kl_fidelity(seeds: int, versions: dict, n: int = 200_000) -> list[str]:
     """The KL observer's threshold (symmetric int8, data in 4 batches) against TensorRT's
-    entropy calibration run on the raw values (``tensorrt_entropy_amax``), per seed."""
-    rows = ["| distribution | seeds | within 3% of TensorRT | median deviation | worst deviation |", "|---|---:|---:|---:|---:|"]
+    entropy calibration run on the raw values (``tensorrt_entropy_amax``), per seed, for
+    each ``{label: HistogramObserver class}``."""
+    head = " | ".join(f"{v}: within 3% | {v}: median / worst deviation" for v in versions)
+    rows = [f"| distribution | seeds | {head} |", "|---|---:|" + "---:|---:|" * len(versions)]
     for dist in ("gaussian", "laplace", "student_t"):
-        errs = []
+        errs = {v: [] for v in versions}
         for seed in range(seeds):
             x = sample(dist, n, seed)
             trt = tensorrt_entropy_amax(x.numpy())
-            obs = HistogramObserver(method="kl", **SYM)
-            for c in x.chunk(4):
-                obs(c)
-            errs.append(abs(float(obs._min_max()[1]) - trt) / trt)
-        within = sum(e <= 0.03 for e in errs)
-        rows.append(f"| {dist} | {seeds} | {within}/{seeds} | {100 * statistics.median(errs):.2f}% "
-                    f"| {100 * max(errs):.1f}% |")
+            for v, cls in versions.items():
+                obs = cls(method="kl", **SYM)
+                for c in x.chunk(4):
+                    obs(c)
+                errs[v].append(abs(float(obs._min_max()[1]) - trt) / trt)
+        cells = " | ".join(f"{sum(e <= 0.03 for e in es)}/{seeds} | {100 * statistics.median(es):.2f}% / "
+                           f"{100 * max(es):.1f}%" for es in errs.values())
+        rows.append(f"| {dist} | {seeds} | {cells} |")
         print(rows[-1], file=sys.stderr)
+    return rows
+
+
+def bench_kl_speed(xs, versions: dict, blocks: int = 4) -> list[str]:
+    """KL search and update per version, in alternating blocks (50 searches, or an update
+    per batch over the batches twice), median per block, best block."""
+    small = [x[:, :20].contiguous() for x in xs]  # short sentences: the per-update fixed cost
+    rows = ["| KL observer | " + " | ".join(versions) + " |", "|---|" + "---:|" * len(versions)]
+    for scheme_name, scheme in (("symmetric", SYM), ("affine", AFF)):
+        obs = {v: cls(method="kl", **scheme) for v, cls in versions.items()}
+        for x in xs:
+            for o in obs.values():
+                o(x)
+        for o in obs.values():
+            o.calculate_qparams()
+        best = {v: float("inf") for v in versions}
+        for _ in range(blocks):
+            for v, o in obs.items():
+                best[v] = min(best[v], _timeit(o.calculate_qparams, 50))
+        rows.append(f"| search + qparams, {scheme_name} | " + " | ".join(f"{t * 1e3:.2f} ms" for t in best.values()) + " |")
+        for label, data in (("32×128×384", xs), ("32×20×384", small)):
+            best = {v: float("inf") for v in versions}
+            for _ in range(max(1, blocks // 2)):
+                for v, cls in versions.items():
+                    o, times = cls(method="kl", **scheme), []
+                    for x in data + data:
+                        t0 = time.perf_counter()
+                        o(x)
+                        times.append(time.perf_counter() - t0)
+                    best[v] = min(best[v], statistics.median(times[1:]))
+            rows.append(f"| update, {scheme_name}, {label} batch | " + " | ".join(f"{t * 1e3:.2f} ms" for t in best.values()) + " |")
     return rows
 
 
@@ -221,7 +273,9 @@ def main(argv=None) -> None:
                          "(dynamic sequence length, as `quantkit quantize` does)")
     ap.add_argument("--skip-synthetic", action="store_true", help="only the all-MiniLM-L6-v2 part")
     ap.add_argument("--kl-seeds", type=int, default=10, help="seeds per distribution for the KL-vs-TensorRT table")
-    ap.add_argument("--kl-only", action="store_true", help="only the KL-vs-TensorRT table")
+    ap.add_argument("--kl-only", action="store_true", help="only the KL tables (TensorRT agreement, speed)")
+    ap.add_argument("--kl-before", metavar="REV", default=None,
+                    help="KL tables: also the observers of git revision REV, side by side")
     ap.add_argument("--act-observers", nargs="+", default=None,
                     help="MiniLM rows: these activation observers (and min-max) only")
     args = ap.parse_args(argv)
@@ -230,8 +284,14 @@ def main(argv=None) -> None:
            f"Machine: {_machine()}. Date: {datetime.date.today()}.",
            f"Command: `python benchmarks/bench_observers.py {' '.join(sys.argv[1:] if argv is None else argv)}`.", ""]
     if args.kl_only or not args.skip_synthetic:
+        versions = {"now": HistogramObserver}
+        if args.kl_before:
+            versions = {f"before ({args.kl_before})": observers_at(args.kl_before).HistogramObserver, **versions}
         out += [f"### KL threshold vs TensorRT's entropy calibrator ({args.kl_seeds} seeds, 200k samples)", ""]
-        out += bench_kl_fidelity(args.kl_seeds)
+        out += bench_kl_fidelity(args.kl_seeds, versions)
+        if args.kl_before:
+            out += ["", f"### KL search and update, side by side ({args.batches} batches of 32×128×384)", ""]
+            out += bench_kl_speed(_activations(args.batches), versions)
         out += [""]
     if args.kl_only:
         print("\n".join(out))
