@@ -56,7 +56,8 @@ class QuantkitObserver(ObserverBase):
     What an observer is, it declares by attribute (never by class name): ``qscheme`` (with
     ``ch_axis`` for per-channel schemes), ``is_dynamic`` (qparams chosen at run time) and
     ``granularity`` (``"per-tensor"``, ``"per-channel"`` or ``"per-token"``); ``token_axes`` is recorded by ``quantkit.prepare``
-    for padding-aware calibration.
+    for padding-aware calibration; ``requires_calibration`` (True) makes ``quantkit.convert``
+    refuse the observer until it has seen data.
 
     Args:
         dtype: quantized dtype (torch.int8/uint8, or torch.qint8/quint8).
@@ -97,6 +98,12 @@ class QuantkitObserver(ObserverBase):
         self.register_buffer("eps", torch.tensor([eps], dtype=torch.float32))
         # set by quantkit.prepare: names the graph edge this observer watches
         self.node_name = "<unattached>"
+
+    # quantkit.convert refuses an observer that declares it needs calibration and has seen no
+    # data (a safety feature: default qparams would silently ruin the model). An observer that
+    # does not declare it (torchao's, torch.ao's) follows its own contract: convert calls its
+    # calculate_qparams as torchao's convert_pt2e would (torchao's return defaults and warn).
+    requires_calibration: bool = True
 
     # recorded by quantkit.prepare for observers of [batch, ..., tokens, ...] activations:
     # one (layout, token axis) pair per call site, a layout being the tensor's sizes with

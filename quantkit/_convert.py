@@ -314,8 +314,10 @@ def convert(prepared: GraphModule) -> GraphModule:
     ``prepared``'s own tensors, not copies, and its int8 weights are new.
 
     Raises:
-        ConvertError: if the model has no observers, or an activation observer has seen
-            no data (calibrate first).
+        ConvertError: if the model has no observers, or an activation observer that declares
+            ``requires_calibration`` (all of quantkit's) has seen no data (calibrate first).
+            Observers that do not declare it (torchao's, ``torch.ao``'s) are converted with
+            whatever their ``calculate_qparams`` returns, as torchao's ``convert_pt2e`` does.
     """
     if not isinstance(prepared, GraphModule):
         raise TypeError(f"convert expects the GraphModule returned by quantkit.prepare, got {type(prepared).__name__}")
@@ -345,7 +347,9 @@ def _observe_weights_and_check(prepared: GraphModule) -> None:
             obs(const)
     for node in obs_nodes:
         obs = modules[str(node.target)]
-        if not getattr(obs, "is_dynamic", False) and not _is_calibrated(obs):
+        # only observers that declare it are refused; others (torchao's) give their own defaults
+        if getattr(obs, "requires_calibration", False) and not getattr(obs, "is_dynamic", False) \
+                and not _is_calibrated(obs):
             hint = ("the model was never calibrated" if not prepared.meta.get("quantkit_calibrated_batches")
                     else "no calibration batch reached it")
             raise ConvertError(

@@ -151,3 +151,53 @@ def test_calibrate_refuses_a_graph_without_observers():
     _, gm, _, calib = _data()
     with pytest.raises(TypeError, match="returned by quantkit.prepare .or torchao's prepare_pt2e"):
         quantkit.calibrate(gm, calib, progress=False)
+
+
+def test_uncalibrated_foreign_observers_follow_their_own_contract():
+    """torchao's observers declare no ``requires_calibration``: an uncalibrated one converts to
+    the defaults its ``calculate_qparams`` returns (scale 1, zero point 0, with torchao's
+    warning), exactly as torchao's convert_pt2e; quantkit's own observers are refused."""
+    from torchao.quantization.pt2e.observer import MinMaxObserver as AoMinMaxObserver
+    from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, QuantizationSpec, Quantizer
+
+    from quantkit.observers import MinMaxObserver
+
+    class LinearInputQuantizer(Quantizer):
+        def __init__(self, ctr):
+            super().__init__()
+            self.ctr = ctr
+
+        def annotate(self, model):
+            spec = QuantizationSpec(dtype=torch.uint8, quant_min=0, quant_max=255, qscheme=torch.per_tensor_affine,
+                                    is_dynamic=False, observer_or_fake_quant_ctr=self.ctr)
+            for node in model.graph.nodes:
+                if node.target is torch.ops.aten.linear.default:
+                    node.meta["quantization_annotation"] = QuantizationAnnotation(
+                        input_qspec_map={node.args[0]: spec}, _annotated=True)
+            return model
+
+        def validate(self, model):
+            pass
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4)).eval()
+    x = torch.randn(2, 8)
+    exported = torch.export.export(model, (x,)).module()
+    assert not getattr(AoMinMaxObserver(), "requires_calibration", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torchao: "must run observer before calling calculate_qparams"
+        ours = quantkit.convert(quantkit.prepare(exported, LinearInputQuantizer(AoMinMaxObserver)))
+        theirs = convert_pt2e(prepare_pt2e(copy.deepcopy(exported), LinearInputQuantizer(AoMinMaxObserver)))
+    Q = torch.ops.quantized_decomposed
+
+    def qdq_args(gm):
+        return [n.args[1:] for n in gm.graph.nodes if n.target in (Q.quantize_per_tensor.default,
+                                                                     Q.dequantize_per_tensor.default)]
+
+    assert qdq_args(ours) == qdq_args(theirs) == [(1.0, 0, 0, 255, torch.uint8)] * 2
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), atol=0, rtol=0)
+    # quantkit's observer of the same spec declares requires_calibration and is refused
+    assert MinMaxObserver().requires_calibration is True
+    with pytest.raises(quantkit.ConvertError, match="input_1 -> linear.*has seen no data.*quantkit.calibrate"):
+        quantkit.convert(quantkit.prepare(exported, LinearInputQuantizer(MinMaxObserver)))
