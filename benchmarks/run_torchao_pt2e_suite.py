@@ -69,7 +69,7 @@ if {substitute}:
         return quantkit.prepare(model, quantizer)
 
     def _convert_pt2e(model, use_reference_representation=False, fold_quantize=True):
-        return quantkit.convert(model)
+        return quantkit.convert(model, fold_quantize=fold_quantize)
 
     for _mod in (_qp, _tu):
         _mod.prepare_pt2e = _prepare_pt2e

@@ -21,7 +21,9 @@ from ._prepare import (
 )
 from ._qmath import is_per_channel, underlying_dtype
 
-__all__ = ["convert", "convert_in_place", "emit_dynamic", "QPARAMS_META_KEY", "QUANTIZE_OPS", "DEQUANTIZE_OPS"]
+__all__ = [
+    "convert", "convert_in_place", "emit_dynamic", "QPARAMS_META_KEY", "QUANTIZE_OPS", "DEQUANTIZE_OPS", "FOLDED_PREFIX",
+]
 
 # gm.meta entry listing every quantized tensor with its qparams (used by reports)
 QPARAMS_META_KEY = "quantkit_qparams"
@@ -42,6 +44,9 @@ _CHOOSE_QPARAMS = {
 }
 _CHOOSE_OPS = frozenset(_CHOOSE_QPARAMS.values()) | {_OPS.choose_qparams_per_token.default}
 _SUPPORTED = (torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32)
+# folded quantized weights are buffers named as torchao's constant_fold (and Inductor's
+# freezing) name theirs: _frozen_param0, _frozen_param1, ... (the first free index)
+FOLDED_PREFIX = "_frozen_param"
 
 
 def _attr(gm: torch.nn.Module, target: str):
@@ -169,8 +174,9 @@ def _is_calibrated(obs) -> bool:
 
 
 class _Converter:
-    def __init__(self, gm: GraphModule):
+    def __init__(self, gm: GraphModule, fold: bool = True):
         self.gm = gm
+        self.fold = fold
         self.graph = gm.graph
         self.modules = dict(gm.named_modules(remove_duplicate=False))
         self.memo: dict = {}
@@ -222,10 +228,10 @@ class _Converter:
                 else:
                     qargs = (float(scale), int(zp), obs.quant_min, obs.quant_max, dtype)
                     q_op, dq_op = _OPS.quantize_per_tensor.default, _OPS.dequantize_per_tensor.default
-                if isinstance(const, torch.Tensor):
+                if isinstance(const, torch.Tensor) and self.fold:
                     # fold: store the integer tensor, keep only the dequantize in the graph
                     qvalue = q_op(const.detach(), *[self._literal(a) for a in qargs])
-                    q = self._new_attr("_qk_int_weight_", qvalue)
+                    q = self._new_attr(FOLDED_PREFIX, qvalue)
                 else:
                     q = self.graph.call_function(q_op, (src,) + qargs)
                 out = self.graph.call_function(dq_op, (q,) + qargs, out_kwargs)
@@ -260,7 +266,7 @@ def _fold_constant_quantizes(conv: "_Converter") -> None:
         value = _constant_value(conv.gm, node, conv.memo)
         if isinstance(value, torch.Tensor):
             with conv.graph.inserting_before(node):
-                folded = conv._new_attr("_qk_int_weight_", value.detach())
+                folded = conv._new_attr(FOLDED_PREFIX, value.detach())
             node.replace_all_uses_with(folded)
             conv.graph.erase_node(node)
 
@@ -295,7 +301,7 @@ def _remove_unused_attributes(gm: GraphModule) -> None:
             del owner._buffers[attr]
 
 
-def convert(prepared: GraphModule) -> GraphModule:
+def convert(prepared: GraphModule, *, fold_quantize: bool = True) -> GraphModule:
     """Return a converted copy of ``prepared``: every observer replaced with a
     ``quantized_decomposed`` quantize/dequantize pair.
 
@@ -313,6 +319,12 @@ def convert(prepared: GraphModule) -> GraphModule:
     GraphModule; the float parameters it keeps (biases, layers left float) are
     ``prepared``'s own tensors, not copies, and its int8 weights are new.
 
+    Args:
+        prepared: a model from :func:`quantkit.prepare` (or torchao's ``prepare_pt2e``).
+        fold_quantize: fold quantized constants into integer buffers named ``_frozen_param<i>``
+            (torchao's name); False keeps ``quantize(weight)`` in the graph, as torchao's
+            ``convert_pt2e(fold_quantize=False)``.
+
     Raises:
         ConvertError: if the model has no observers, or an activation observer that declares
             ``requires_calibration`` (all of quantkit's) has seen no data (calibrate first).
@@ -322,7 +334,9 @@ def convert(prepared: GraphModule) -> GraphModule:
     if not isinstance(prepared, GraphModule):
         raise TypeError(f"convert expects the GraphModule returned by quantkit.prepare, got {type(prepared).__name__}")
     _check_prepared(prepared)
-    return convert_in_place(copy_sharing_parameters(prepared))
+    if not isinstance(fold_quantize, bool):
+        raise TypeError(f"fold_quantize must be True or False, got {fold_quantize!r}")
+    return convert_in_place(copy_sharing_parameters(prepared), fold_quantize=fold_quantize)
 
 
 def _check_prepared(prepared: GraphModule) -> None:
@@ -381,7 +395,7 @@ def _delete_unused_submodules(gm: GraphModule) -> None:
             delattr(owner, attr)
 
 
-def convert_in_place(prepared: GraphModule, _nested: bool = False) -> GraphModule:
+def convert_in_place(prepared: GraphModule, *, fold_quantize: bool = True, _nested: bool = False) -> GraphModule:
     """:func:`convert` without the copy: the observers of ``prepared`` are consumed and its
     graph rewritten; for callers whose prepared model is private (``quantize``). On an
     error, ``prepared`` is left as it was. The subgraphs of ``scan`` / ``while_loop`` are
@@ -391,14 +405,15 @@ def convert_in_place(prepared: GraphModule, _nested: bool = False) -> GraphModul
         _observe_weights_and_check(prepared)
     records: list[dict] = []
     for target in control_flow_subgraphs(prepared):
-        sub = convert_in_place(prepared.get_submodule(target), _nested=True)
+        sub = convert_in_place(prepared.get_submodule(target), fold_quantize=fold_quantize, _nested=True)
         records.extend(sub.meta.get(QPARAMS_META_KEY, []))
         set_submodule(prepared, target, sub)
-    conv = _Converter(prepared)
+    conv = _Converter(prepared, fold_quantize)
     # a prepared model whose quantizer annotated nothing has none: it converts to itself
     for node in [n for n in prepared.graph.nodes if is_observer_node(n, conv.modules)]:
         conv.replace(node)
-    _fold_constant_quantizes(conv)
+    if fold_quantize:
+        _fold_constant_quantizes(conv)
     _duplicate_dequantize(prepared)
     prepared.graph.eliminate_dead_code()
     _delete_unused_submodules(prepared)

@@ -116,7 +116,7 @@ def test_compile_cpu_onednn_rewrites_every_linear():
     # reference on any x86 CPU, VNNI or not (full-range weights are exact only with VNNI)
     c, x = _converted(make_mlp, W8A8Quantizer())
     for name, buf in c.named_buffers():
-        if name.startswith("_qk_int_weight_"):
+        if name.startswith("_frozen_param"):
             buf.clamp_(-63, 63)
     torch._dynamo.utils.counters.clear()
     with pytest.warns(UserWarning, match="saturates") if not quantkit._lowering._onednn.exact_on_this_cpu() else _nothing():

@@ -601,3 +601,24 @@ def test_control_flow_bodies_are_observed_calibrated_and_converted(kind):
     with torch.no_grad():  # scan/while_loop re-trace their body when autograd is on
         db = sqnr(model(*inputs), qmodel(*inputs))
     assert db >= 35.0, f"{kind}: W8A8 SQNR {db:.1f} dB < 35 dB"
+
+
+def test_folded_weights_use_torchao_names_and_fold_quantize_false_keeps_them_float():
+    prepared, x = _prepared_mlp()
+    quantkit.calibrate(prepared, [(x,)], progress=False)
+    folded = quantkit.convert(prepared)
+    kept = quantkit.convert(prepared, fold_quantize=False)
+    n_weights = 3  # fc1..fc3 of make_mlp
+    # torchao's constant_fold names: _frozen_param0, 1, 2 (int8, one per linear weight)
+    names = sorted(n for n, b in folded.named_buffers() if b.dtype == torch.int8)
+    assert names == [f"_frozen_param{i}" for i in range(n_weights)]
+    assert {str(n.target) for n in folded.graph.nodes if n.op == "get_attr"} >= set(names)
+    assert _counts(folded)["quantize_per_channel.default"] == 0
+    # not folded: the float weights stay, quantized by a quantize_per_channel op in the graph
+    assert not any(n.startswith("_frozen_param") for n, _ in kept.named_buffers())
+    assert _counts(kept)["quantize_per_channel.default"] == n_weights
+    assert _counts(kept)["dequantize_per_channel.default"] == _counts(folded)["dequantize_per_channel.default"]
+    with torch.no_grad():  # the same integers either way: folding changes where they are computed
+        torch.testing.assert_close(kept(x), folded(x), atol=0, rtol=0)
+    with pytest.raises(TypeError, match="fold_quantize must be True or False"):
+        quantkit.convert(prepared, fold_quantize="yes")
