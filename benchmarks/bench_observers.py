@@ -27,6 +27,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.observers._reference
@@ -183,6 +184,38 @@ def bench_kl_fidelity(seeds: int, versions: dict, n: int = 200_000) -> list[str]
     return rows
 
 
+def bench_kl_affine_search(seeds: int = 8, bins: int = 256) -> list[str]:
+    """The affine KL search's pick against every window containing 0 (``bins`` bins a side,
+    small enough to try them all) on two-signed data: 5 families x ``seeds`` seeds."""
+    cases = []
+    for seed in range(seeds):
+        shift = float(torch.rand(1, generator=torch.Generator().manual_seed(100 + seed))) * 2 - 0.5
+        cases += [(d, sample(d, 100_000, seed) + shift) for d in ("gaussian", "laplace", "student_t")]
+        cases.append(("gelu", torch.nn.functional.gelu(sample("gaussian", 100_000, seed) * (1 + seed))))
+        skew = torch.where(sample("gaussian", 100_000, seed + 50) > 0, 1.0, 0.2 + 0.1 * seed)
+        cases.append(("skewed student_t", sample("student_t", 100_000, seed) * skew))
+    excess = []
+    for _, x in cases:
+        obs = HistogramObserver(method="kl", bins=bins, **AFF)
+        for c in x.chunk(4):
+            obs(c)
+        (h, h_lo, h_hi), lo, hi = obs.occupied_bins(), float(obs.min_val), float(obs.max_val)
+        a, b = hs.search_kl(rs.host(h), h_lo, h_hi, lo, hi, obs._qp(), bins)
+        view, z, w = hs.kl_view(rs.host(h), h_lo, h_hi, lo, hi, bins)
+        view[z] = view[z + 1]
+        tables = hs._KLTables(view, 256, 2 * bins)
+        s, e = (v.reshape(-1) for v in torch.meshgrid(torch.arange(z + 1), torch.arange(z, view.size + 1), indexing="ij"))
+        s, e = s[e - s >= hs.KL_START_BIN].numpy(), e[e - s >= hs.KL_START_BIN].numpy()
+        best = min(float(hs.kl_divergence(tables, s[i:i + 20_000], e[i:i + 20_000]).min()) for i in range(0, s.size, 20_000))
+        pick = hs.kl_divergence(tables, np.array([z + round(a / w)]), np.array([z + round(b / w)]))[0]
+        excess.append(float(pick) / best - 1)
+    excess.sort()
+    return ["| cases | pick within 1% of the best window | within 2% | median excess | worst excess |",
+            "|---:|---:|---:|---:|---:|",
+            f"| {len(excess)} | {sum(v <= 0.01 for v in excess)} | {sum(v <= 0.02 for v in excess)} | "
+            f"{100 * statistics.median(excess):.2f}% | {100 * excess[-1]:.0f}% |"]
+
+
 def bench_kl_speed(xs, versions: dict, blocks: int = 4) -> list[str]:
     """KL search and update per version, in alternating blocks (50 searches, or an update
     per batch over the batches twice), median per block, best block."""
@@ -289,6 +322,8 @@ def main(argv=None) -> None:
             versions = {f"before ({args.kl_before})": observers_at(args.kl_before).HistogramObserver, **versions}
         out += [f"### KL threshold vs TensorRT's entropy calibrator ({args.kl_seeds} seeds, 200k samples)", ""]
         out += bench_kl_fidelity(args.kl_seeds, versions)
+        out += ["", "### Affine KL search against every window (two-signed data, 256 bins a side)", ""]
+        out += bench_kl_affine_search()
         if args.kl_before:
             out += ["", f"### KL search and update, side by side ({args.batches} batches of 32×128×384)", ""]
             out += bench_kl_speed(_activations(args.batches), versions)
