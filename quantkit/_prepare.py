@@ -143,6 +143,16 @@ def _writes_state(node: Node, arg: Node) -> bool:
     return attrs
 
 
+def _out_arguments(node: Node) -> set:
+    """Positions and names of ``node``'s ``out=`` arguments (out-variant ops, e.g.
+    ``clamp.out``): the op overwrites them without reading them, so they get no observer
+    (after convert the op would write into a dequantized copy, not into its ``out`` tensor)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None:
+        return set()
+    return {key for i, a in enumerate(schema.arguments) if a.is_out for key in (i, a.name)}
+
+
 class _Inserter:
     def __init__(self, gm: GraphModule, observers: dict[EdgeOrNode, torch.nn.Module]):
         self.gm = gm
@@ -192,8 +202,9 @@ class _Inserter:
     def process(self, node: Node) -> None:
         if ANNOTATION_KEY not in node.meta:
             return
-        node.args = tuple(self.observe_arg(node, a) for a in node.args)
-        node.kwargs = {k: self.observe_arg(node, v) for k, v in node.kwargs.items()}
+        out = _out_arguments(node)
+        node.args = tuple(a if i in out else self.observe_arg(node, a) for i, a in enumerate(node.args))
+        node.kwargs = {k: v if k in out else self.observe_arg(node, v) for k, v in node.kwargs.items()}
         obs = self.observers.get(node)
         if obs is None or not isinstance(node.meta.get("val"), torch.Tensor):
             return

@@ -622,3 +622,92 @@ def test_folded_weights_use_torchao_names_and_fold_quantize_false_keeps_them_flo
         torch.testing.assert_close(kept(x), folded(x), atol=0, rtol=0)
     with pytest.raises(TypeError, match="fold_quantize must be True or False"):
         quantkit.convert(prepared, fold_quantize="yes")
+
+
+class _AllInputsQuantizer:
+    """Annotates every input and output of every call_function (as torchao's kwargs test)."""
+
+    def __init__(self):
+        from torchao.quantization.pt2e.quantizer import QuantizationSpec
+
+        from quantkit.observers import MinMaxObserver
+
+        self.spec = QuantizationSpec(dtype=torch.int8, quant_min=-128, quant_max=127, qscheme=torch.per_tensor_symmetric,
+                                     is_dynamic=False, observer_or_fake_quant_ctr=MinMaxObserver)
+
+    def transform_for_annotation(self, model):
+        return model
+
+    def annotate(self, model):
+        from torchao.quantization.pt2e.quantizer import QuantizationAnnotation
+
+        for node in model.graph.nodes:
+            if node.op == "call_function":
+                node.meta["quantization_annotation"] = QuantizationAnnotation(
+                    input_qspec_map={n: self.spec for n in node.all_input_nodes}, output_qspec=self.spec)
+        return model
+
+    def validate(self, model):
+        pass
+
+
+def test_out_argument_gets_no_observer_and_is_still_written():
+    class ClampOut(torch.nn.Module):
+        def forward(self, t):
+            torch.clamp(t, max=0.5, out=t)
+            return t
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    gm = torch.export.export(ClampOut(), (x.clone(),)).module()
+    clamp = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.clamp.out)
+    assert clamp.kwargs["out"] is clamp.args[0]  # out= the input itself
+    prepared = quantkit.prepare(gm, _AllInputsQuantizer())
+    clamp = next(n for n in prepared.graph.nodes if n.target is torch.ops.aten.clamp.out)
+    assert clamp.kwargs["out"].op == "placeholder"  # the out edge is not observed
+    assert clamp.args[0].op == "call_module"  # the read input is
+    quantkit.calibrate(prepared, [(x.clone(),)], progress=False)
+    qmodel = quantkit.convert(prepared)
+    assert _counts(qmodel) == {"quantize_per_tensor.default": 2, "dequantize_per_tensor.default": 2}
+    t = x.clone()
+    with torch.no_grad():
+        y = qmodel(t)
+    # the op still writes into the caller's tensor: clamp of the quantized input (one step off)
+    step = float(x.abs().max()) / 127
+    assert float((t - x.clamp(max=0.5)).abs().max()) <= step / 2 + 1e-6
+    assert float((y - x.clamp(max=0.5)).abs().max()) <= step + 1e-6
+
+
+def test_implicit_sharing_with_a_shared_input_edge_is_one_observer():
+    """x -> clone -> eq(clone, x): clone's output shares (x, clone); eq's (x, eq) shares
+    (clone, eq); implicit sharing joins the two uses of x. One observer for all four (the
+    case that made torchao's resolution recurse forever)."""
+    from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, QuantizationSpec, SharedQuantizationSpec
+
+    from quantkit.observers import MinMaxObserver
+
+    class Quantizer(_AllInputsQuantizer):
+        def annotate(self, model):
+            spec = QuantizationSpec(dtype=torch.uint8, quant_min=0, quant_max=255, qscheme=torch.per_tensor_affine,
+                                    is_dynamic=False, observer_or_fake_quant_ctr=MinMaxObserver)
+            for node in model.graph.nodes:
+                if node.target in (torch.ops.aten.clone.default, torch.ops.aten.eq.Tensor):
+                    shared = SharedQuantizationSpec((node.args[0], node))
+                    clone = node.target is torch.ops.aten.clone.default
+                    node.meta["quantization_annotation"] = QuantizationAnnotation(
+                        input_qspec_map={node.args[0]: spec} if clone else {node.args[0]: spec, node.args[1]: shared},
+                        output_qspec=shared if clone else None, allow_implicit_sharing=True, _annotated=True)
+            return model
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.eq(x.clone(), x)
+
+    x = torch.randn(1, 5)
+    prepared = quantkit.prepare(torch.export.export(M(), (x,)).module(), Quantizer())
+    modules = dict(prepared.named_modules(remove_duplicate=False))
+    obs_nodes = [n for n in prepared.graph.nodes if n.op == "call_module" and "activation_post_process" in str(n.target)]
+    assert len(obs_nodes) == 2  # x's and clone's outputs are observed ...
+    assert len({id(modules[str(n.target)]) for n in obs_nodes}) == 1  # ... by one observer
+    eq = next(n for n in prepared.graph.nodes if n.target is torch.ops.aten.eq.Tensor)
+    assert all(a.op == "call_module" for a in eq.args)
