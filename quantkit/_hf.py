@@ -209,6 +209,10 @@ def load_hf_checkpoint(path: str | os.PathLike, *, task: str = "auto", progress:
         model, info = cls.from_pretrained(path, local_files_only=True, output_loading_info=True,
                                           ignore_mismatched_sizes=True, trust_remote_code=False)
     except Exception as exc:  # transformers raises many types
+        if "Weights only load failed" in str(exc):  # torch.load(weights_only=True) met a non-tensor object
+            raise QuantkitError(
+                f"the weights in {str(path)!r} hold pickled objects that are not tensors, and quantkit never "
+                "unpickles those; re-save the checkpoint as model.safetensors where you trust it") from None
         first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
         raise QuantkitError(f"could not load the model in {str(path)!r}: {first.strip()}") from exc
     model.eval()

@@ -559,3 +559,62 @@ def test_terminal_escapes_in_artifact_json_are_not_printed(artifact, capsys):
     assert "\x1b" not in printed.out and "\x07" not in printed.out
     assert "model:    ?[2J?]0;pwned?mlp" in printed.out
     assert _tree(artifact) == before
+
+
+# --- pickle payloads in the files quantize reads ------------------------------------------
+
+class _Payload:
+    """Unpickling this runs ``exec`` of a line that writes ``marker`` (what a hostile .pt does)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('pwned')",))
+
+
+def _hostile_pt(path: Path, marker: Path, wrap) -> Path:
+    torch.save(wrap(_Payload(marker)), path)
+    return path
+
+
+@pytest.mark.parametrize("wrap", [lambda p: p, lambda p: {"x": torch.zeros(8, 64), "evil": p},
+                                  lambda p: (torch.zeros(8, 64), p)], ids=["bare", "in-dict", "in-tuple"])
+def test_pickle_payload_in_calibration_tensors_never_runs(mlp_files, tmp_path, capsys, wrap):
+    weights, _ = mlp_files
+    calib, marker, out = tmp_path / "calib", tmp_path / "MARKER", tmp_path / "out"
+    calib.mkdir()
+    _hostile_pt(calib / "b0.pt", marker, wrap)
+    line = _fails(_mlp_args(weights, calib, out), capsys, code=1, inputs=[calib], out=out)
+    assert "could not read calibration tensor file" in line and "b0.pt" in line, line
+    assert not marker.exists(), "a pickle payload in calibration data ran"
+    # the positive control: the file really runs code when unpickled without weights_only
+    torch.load(str(calib / "b0.pt"), weights_only=False)
+    assert marker.exists()
+
+
+def test_pickle_payload_in_weights_file_never_runs(mlp_files, tmp_path, capsys):
+    _, calib = mlp_files
+    marker, out = tmp_path / "MARKER", tmp_path / "out"
+    weights = _hostile_pt(tmp_path / "mlp.pt", marker, lambda p: {"fc1.weight": torch.zeros(2), "evil": p})
+    line = _fails(_mlp_args(weights, calib, out), capsys, code=1, inputs=[weights, calib], out=out)
+    assert "could not read weights" in line and "mlp.pt" in line, line
+    assert not marker.exists(), "a pickle payload in --weights ran"
+
+
+def test_pickle_payload_in_hf_checkpoint_never_runs(bert_copy, sentences, tmp_path, capsys):
+    """An HF directory whose only weights are a hostile pytorch_model.bin."""
+    marker, out = tmp_path / "MARKER", tmp_path / "out"
+    from safetensors.torch import load_file
+
+    sd = load_file(str(bert_copy / "model.safetensors"))
+    (bert_copy / "model.safetensors").unlink()
+    sd["evil"] = _Payload(marker)
+    torch.save(sd, bert_copy / "pytorch_model.bin")
+    rc = main(["quantize", str(bert_copy), "--calib", str(sentences), "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    line = _error(err)
+    assert rc == 1, line
+    assert "hold pickled objects that are not tensors" in line and "model.safetensors" in line, line
+    assert not marker.exists(), "a pickle payload in pytorch_model.bin ran"
+    _no_leftovers(out)
