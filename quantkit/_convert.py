@@ -19,7 +19,7 @@ from ._prepare import (
     is_prepared,
     set_submodule,
 )
-from ._qmath import is_per_channel, underlying_dtype
+from ._qmath import FLOAT8_DTYPES, is_per_channel, underlying_dtype
 
 __all__ = [
     "convert", "convert_in_place", "emit_dynamic", "QPARAMS_META_KEY", "QUANTIZE_OPS", "DEQUANTIZE_OPS", "FOLDED_PREFIX",
@@ -43,7 +43,9 @@ _CHOOSE_QPARAMS = {
     torch.per_tensor_symmetric: _OPS.choose_qparams_symmetric.tensor,
 }
 _CHOOSE_OPS = frozenset(_CHOOSE_QPARAMS.values()) | {_OPS.choose_qparams_per_token.default}
-_SUPPORTED = (torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32)
+# static quantization dtypes (torchao's convert_pt2e SUPPORTED_QDTYPES): float8 ones take the
+# same quantize/dequantize_per_tensor/_per_channel ops with the float8 dtype argument
+_SUPPORTED = (torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32) + FLOAT8_DTYPES
 # folded quantized weights are buffers named as torchao's constant_fold (and Inductor's
 # freezing) name theirs: _frozen_param0, _frozen_param1, ... (the first free index)
 FOLDED_PREFIX = "_frozen_param"
@@ -308,7 +310,8 @@ def convert(prepared: GraphModule, *, fold_quantize: bool = True) -> GraphModule
     Static per-tensor observers become ``quantize_per_tensor``/``dequantize_per_tensor``
     with scalar qparams, per-channel ones ``*_per_channel`` with qparam buffers, dynamic
     ones ``choose_qparams`` + ``*_per_tensor.tensor`` (``*_per_token`` for per-token
-    observers). Quantized constants (weights) are folded: the graph keeps an int8 buffer and
+    observers); static float8 (``float8_e4m3fn`` / ``float8_e5m2``) per-tensor specs take the
+    same ops with the float8 dtype, as torchao's ``convert_pt2e``. Quantized constants (weights) are folded: the graph keeps an int8 buffer and
     its dequantize only, and the float weight is dropped. Every dequantize with several
     consumers is duplicated per consumer. Observers of quantkit, torchao (``prepare_pt2e``)
     and ``torch.ao`` are all accepted; an observer with a ``convert(model, node)`` method
@@ -326,7 +329,8 @@ def convert(prepared: GraphModule, *, fold_quantize: bool = True) -> GraphModule
             ``convert_pt2e(fold_quantize=False)``.
 
     Raises:
-        ConvertError: if the model has no observers, or an activation observer that declares
+        ConvertError: if the model has no observers, a float8 spec is per-channel or dynamic
+            (no quantized_decomposed op runs them), or an activation observer that declares
             ``requires_calibration`` (all of quantkit's) has seen no data (calibrate first).
             Observers that do not declare it (torchao's, ``torch.ao``'s) are converted with
             whatever their ``calculate_qparams`` returns, as torchao's ``convert_pt2e`` does.
@@ -361,6 +365,18 @@ def _observe_weights_and_check(prepared: GraphModule) -> None:
             obs(const)
     for node in obs_nodes:
         obs = modules[str(node.target)]
+        dtype = underlying_dtype(getattr(obs, "dtype", torch.float32))
+        own_convert = hasattr(obs, "convert") and not isinstance(obs, QuantkitObserver)
+        if dtype in FLOAT8_DTYPES and not own_convert and (is_per_channel(getattr(obs, "qscheme", None))
+                                       or getattr(obs, "is_dynamic", False)):
+            # torch's dequantize_per_channel subtracts int64 zero points from the float8 tensor,
+            # which torch cannot promote (the model could not run); choose_qparams is integer-only
+            kind = "dynamic" if getattr(obs, "is_dynamic", False) else "per-channel"
+            raise ConvertError(
+                f"{kind} {str(dtype).replace('torch.', '')} quantization at node "
+                f"'{getattr(obs, 'node_name', node.name)}' has no quantized_decomposed ops; "
+                "use a static per-tensor spec for float8"
+            )
         # only observers that declare it are refused; others (torchao's) give their own defaults
         if getattr(obs, "requires_calibration", False) and not getattr(obs, "is_dynamic", False) \
                 and not _is_calibrated(obs):

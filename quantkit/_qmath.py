@@ -18,6 +18,7 @@ import torchao.quantization.pt2e  # noqa: F401
 
 __all__ = [
     "DEFAULT_EPS",
+    "FLOAT8_DTYPES",
     "default_qrange",
     "is_symmetric",
     "is_per_channel",
@@ -42,7 +43,14 @@ _QRANGES = {
     torch.uint16: (0, 2**16 - 1),
     torch.int32: (-(2**31), 2**31 - 1),
     torch.qint32: (-(2**31), 2**31 - 1),
+    # float8: the finite range truncated to integers, as torch's quantized_decomposed ops
+    # bound it (torch/ao/quantization/fx/_decomposed.py _DTYPE_TO_QVALUE_BOUNDS): +-448, +-57344
+    torch.float8_e4m3fn: (int(torch.finfo(torch.float8_e4m3fn).min), int(torch.finfo(torch.float8_e4m3fn).max)),
+    torch.float8_e5m2: (int(torch.finfo(torch.float8_e5m2).min), int(torch.finfo(torch.float8_e5m2).max)),
 }
+
+# float8 dtypes the quantized_decomposed ops accept (torchao's convert_pt2e SUPPORTED_QDTYPES)
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 _UNDERLYING = {torch.qint8: torch.int8, torch.quint8: torch.uint8, torch.qint32: torch.int32}
 
@@ -53,14 +61,15 @@ def underlying_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def default_qrange(dtype: torch.dtype) -> tuple[int, int]:
-    """Full integer range of ``dtype``, e.g. (-128, 127) for int8.
+    """Full range of ``dtype``, e.g. (-128, 127) for int8, (-448, 448) for float8_e4m3fn.
 
     Raises:
-        ValueError: for a dtype that is not an integer quantization dtype.
+        ValueError: for a dtype that is not a quantization dtype.
     """
     if dtype not in _QRANGES:
         raise ValueError(
-            f"unsupported quantization dtype {dtype}; use one of torch.int8, torch.uint8, torch.int16, torch.int32"
+            f"unsupported quantization dtype {dtype}; use one of torch.int8, torch.uint8, torch.int16, torch.int32, "
+            "torch.float8_e4m3fn, torch.float8_e5m2"
         )
     return _QRANGES[dtype]
 
@@ -210,7 +219,10 @@ def quantize(
     """Quantize ``x`` exactly as the ``quantized_decomposed`` graph ops do.
 
     Per tensor when ``axis`` is None (scale/zero_point scalars), otherwise per channel
-    along ``axis``.
+    along ``axis``. For a float8 ``dtype`` the ops' arithmetic is the integer one
+    (``clamp(round(x / scale) + zero_point, quant_min, quant_max)``, rounded to integers
+    before the cast) followed by a round-to-nearest cast to float8, as torch's
+    ``quantized_decomposed`` ops and hence torchao's ``convert_pt2e`` compute it.
     """
     dtype = underlying_dtype(dtype)
     ops = torch.ops.quantized_decomposed

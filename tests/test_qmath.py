@@ -53,3 +53,25 @@ def test_non_finite_ranges_take_the_tensor_path():
     ref = choose_qparams(torch.tensor([float("nan")]), torch.tensor([1.0]), qscheme=torch.per_channel_affine,
                          dtype=torch.uint8, quant_min=0, quant_max=255)
     assert torch.equal(scale, ref[0], ) or (scale.isnan().all() and ref[0].isnan().all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_float8_quantize_matches_a_float64_reference(dtype):
+    """float8 quantize/dequantize: integer rounding (half to even), zero point, clamp to the
+    finite range, then a round-to-nearest cast, as torch's quantized_decomposed ops."""
+    from quantkit._qmath import default_qrange, dequantize, quantize
+
+    fi = torch.finfo(dtype)
+    qmin, qmax = default_qrange(dtype)
+    assert (qmin, qmax) == (int(fi.min), int(fi.max))
+    torch.manual_seed(0)
+    scale, zp = 0.125, 3  # a power of two: x / scale is exact in float32 and float64
+    x = torch.cat([torch.randn(500) * 40, torch.tensor([0.3125, -0.3125, 2.5 * scale, 1e9, -1e9, 0.0])])
+    q = quantize(x, scale, zp, qmin, qmax, dtype)
+    assert q.dtype == dtype
+    v = torch.clamp(torch.round(x.double() / scale) + zp, qmin, qmax)
+    ref = (v.to(dtype).double() - zp) * scale
+    torch.testing.assert_close(dequantize(q, scale, zp, qmin, qmax, dtype).double(), ref, rtol=0, atol=0)
+    # rounded to an integer before the cast: 2.5 -> 2, not float8's 2.5
+    assert float(quantize(torch.tensor([2.5 * scale]), scale, 0, qmin, qmax, dtype)) == 2.0
+    assert float(q[-3]) == qmax and float(q[-2]) == qmin
