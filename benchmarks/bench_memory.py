@@ -48,9 +48,9 @@ with torch.no_grad():
     qmodel = quantkit.quantize(model, batches[0], batches, progress=False)
 seconds = time.perf_counter() - t
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-if peak_before > before:  # building the model peaked higher than quantize: no information
-    pass
-print(json.dumps({"params": params, "weight_bytes": weight_bytes, "base": base, "before": before,
+int8 = sum(b.numel() for b in qmodel.buffers() if b.dtype == torch.int8)
+qnodes = sum(1 for n in qmodel.graph.nodes if "quantize_per" in str(n.target) and "dequantize" not in str(n.target))
+print(json.dumps({"int8_weights": int8, "quantize_nodes": qnodes, "params": params, "weight_bytes": weight_bytes, "base": base, "before": before,
                   "peak": peak, "peak_before_quantize": peak_before, "seconds": seconds}))
 """
 
@@ -67,7 +67,8 @@ def main() -> None:
     r = json.loads(out.stdout.strip().splitlines()[-1])
     w = r["weight_bytes"]
     print(f"BERT hidden={a.hidden} layers={a.layers}: {r['params'] / 1e6:.1f} M parameters, "
-          f"fp32 weights {w / 2**20:.0f} MiB; quantize {r['seconds']:.1f} s")
+          f"fp32 weights {w / 2**20:.0f} MiB; quantize {r['seconds']:.1f} s; "
+          f"{r['int8_weights'] / 1e6:.1f} M int8 weight values, {r['quantize_nodes']} activation quantize ops")
     print(f"  peak RSS during quantize - RSS before it: {(r['peak'] - r['before']) / 2**20:.0f} MiB "
           f"= {(r['peak'] - r['before']) / w:.2f}x the fp32 weights (quantize_extra)")
     print(f"  peak RSS - RSS before the model was built: {(r['peak'] - r['base']) / 2**20:.0f} MiB "
