@@ -25,7 +25,7 @@ from torch import nn
 
 import quantkit
 from quantkit import _hf, observers
-from quantkit._layers import find_layers, gemm_flops, int8_fraction
+from quantkit.pipeline._layers import find_layers, gemm_flops, int8_fraction
 from quantkit.quantizers import QuantConfig, W8A8Quantizer
 
 HISTOGRAM_OBSERVERS = ("histogram", "kl", "mse", "percentile")

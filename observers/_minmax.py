@@ -246,7 +246,7 @@ class PlaceholderObserver(QuantkitObserver):
             ConvertError: for per-token observers, which torchao's ``convert_pt2e`` cannot
                 express (its metadata pass knows only per-tensor ``choose_qparams``).
         """
-        from quantkit._convert import emit_dynamic
+        from quantkit.pipeline._convert import emit_dynamic
 
         if self.per_token:
             where = self.node_name if self.node_name != "<unattached>" else observer_node.args[0].name

@@ -16,17 +16,17 @@ Accuracy tools: ``quantkit.debug.compare`` (per-layer numerics), ``quantkit.sens
 """
 
 from . import _quiet  # noqa: F401  (first: imports torchao without its import-time log noise)
-from ._api import quantize
-from ._artifact import load, save
-from ._calibrate import calibrate
-from ._capture import capture
-from ._compile import compile
-from ._convert import convert
+from .pipeline._api import quantize
+from .export._artifact import load, save
+from .pipeline._calibrate import calibrate
+from .pipeline._capture import capture
+from .lowering._compile import compile
+from .pipeline._convert import convert
 from ._errors import CalibrationError, CaptureError, ConvertError, QuantkitError
-from ._prepare import prepare
-from ._sensitivity import sensitivity
-from ._fallback import auto_fallback
-from ._smoothquant import smooth_quant
+from .pipeline._prepare import prepare
+from .accuracy._sensitivity import sensitivity
+from .accuracy._fallback import auto_fallback
+from .accuracy._smoothquant import smooth_quant
 from . import debug, metrics
 
 __version__ = "0.1.0"

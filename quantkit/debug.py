@@ -6,6 +6,6 @@ Example:
     >>> report.worst.layer     # the layer with the lowest SQNR
 """
 
-from ._numeric_debug import ActivationRange, LayerReport, LayerRow, compare
+from .accuracy._numeric_debug import ActivationRange, LayerReport, LayerRow, compare
 
 __all__ = ["compare", "LayerReport", "LayerRow", "ActivationRange"]

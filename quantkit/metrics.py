@@ -5,6 +5,6 @@ The APIs also take these by name (``"cosine"``, ``"kl"``, ``"top1"``) or as
 ``"module:function"`` for your own.
 """
 
-from ._metrics import METRICS, embedding_cosine, logits_kl, resolve_metric, top1_agreement
+from .accuracy._metrics import METRICS, embedding_cosine, logits_kl, resolve_metric, top1_agreement
 
 __all__ = ["embedding_cosine", "logits_kl", "top1_agreement", "METRICS", "resolve_metric"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import quantkit
-from quantkit._lowering import lower
+from quantkit.lowering import lower
 from quantkit._qmath import sqnr
 from quantkit.quantizers import QuantConfig, W8A8Quantizer
 from tests.models import make_mlp, make_transformer
@@ -119,7 +119,7 @@ def test_compile_cpu_onednn_rewrites_every_linear():
         if name.startswith("_frozen_param"):
             buf.clamp_(-63, 63)
     torch._dynamo.utils.counters.clear()
-    with pytest.warns(UserWarning, match="saturates") if not quantkit._lowering._onednn.exact_on_this_cpu() else _nothing():
+    with pytest.warns(UserWarning, match="saturates") if not quantkit.lowering._onednn.exact_on_this_cpu() else _nothing():
         fast = quantkit.compile(c, cpu_kernels="onednn")
     y = fast(x)
     assert torch._dynamo.utils.counters["inductor"]["qlinear_weight_prepack_matcher_count"] == 3
@@ -132,11 +132,11 @@ def test_compile_cpu_onednn_rewrites_every_linear():
 @pytest.fixture
 def no_vnni(monkeypatch):
     """Make ``auto`` decide as on an AVX2-only CPU, so the tests below mean the same everywhere."""
-    monkeypatch.setattr(quantkit._lowering._onednn, "exact_on_this_cpu", lambda: False)
+    monkeypatch.setattr(quantkit.lowering._onednn, "exact_on_this_cpu", lambda: False)
 
 
 def test_exact_for_graph_needs_every_onednn_activation_in_0_127(no_vnni):
-    exact = quantkit._lowering._onednn.exact_for_graph
+    exact = quantkit.lowering._onednn.exact_for_graph
     seven = QuantConfig(activation="affine-uint7")
     assert exact(_converted(make_mlp, W8A8Quantizer(seven))[0])
     assert not exact(_converted(make_mlp, W8A8Quantizer())[0])
@@ -160,7 +160,7 @@ def test_compile_auto_takes_onednn_for_uint7_activations(no_vnni, bits):
     if bits == 8:  # 8-bit activations would saturate without VNNI: reference path, nothing rewritten
         assert prepacked == 0 and fast._orig_mod.meta["quantkit_lowering"] == {}
         return
-    assert prepacked == 3 and isinstance(fast, quantkit._compile._Frozen)
+    assert prepacked == 3 and isinstance(fast, quantkit.lowering._compile._Frozen)
     # calibrated range: int32-exact GEMMs, only float rounding in the epilogues (measured 1.6e-7)
     n = len(x) // 2
     rel = float((y[:n] - ref[:n]).norm() / ref[:n].norm())

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import quantkit
-from quantkit import _artifact, _atomic, _safe_pt2
+from quantkit.export import _artifact, _atomic, _safe_pt2
 from tests.models import make_mlp
 
 ROOT = "model/"
@@ -268,7 +268,7 @@ def test_control_torch_export_load_runs_these_payloads(case, saved, tmp_path, mo
         pass
     finally:
         sys.modules.pop("qk_evil_module", None)
-    assert marker.exists(), f"torch.export.load no longer runs the {case} payload; update quantkit/_safe_pt2.py's notes"
+    assert marker.exists(), f"torch.export.load no longer runs the {case} payload; update quantkit/export/_safe_pt2.py's notes"
 
 
 @pytest.mark.parametrize("case", ["sample-inputs-pickle", "weight-marked-pickled", "constant-marked-pickled",
@@ -545,7 +545,7 @@ def test_a_dead_writers_backup_is_restored_when_the_artifact_is_missing(saved, t
 _CHILD = r"""
 import os, pathlib, sys, time
 import quantkit
-from quantkit import _artifact, _atomic
+from quantkit.export import _artifact, _atomic
 src, out, mode, ready = sys.argv[1:5]
 model = quantkit.load(src)
 
@@ -631,7 +631,9 @@ def test_sigkill_during_save_never_loses_the_old_artifact(mode, saved, tmp_path)
 
 _CLI_CHILD = r"""
 import pathlib, sys, time
-from quantkit import _artifact, _cli_quantize, cli
+from quantkit.export import _artifact
+from quantkit.cli import _cli_quantize
+from quantkit import cli
 out, ready = sys.argv[1:3]
 
 def run_quantize(args, say):

@@ -349,7 +349,7 @@ def test_float8_per_channel_weights_are_refused_before_any_rewrite(act_dtype):
     promotion torch refuses): convert says so in one line and leaves the prepared model as it was."""
     from torchao.quantization.pt2e.observer import MinMaxObserver as AoMinMaxObserver
 
-    from quantkit._convert import convert_in_place
+    from quantkit.pipeline._convert import convert_in_place
 
     _, exported, x = _float8_model()
     prepared = quantkit.prepare(exported, _Float8Quantizer(act_dtype, "float8-per-channel", AoMinMaxObserver))
@@ -363,7 +363,7 @@ def test_float8_per_channel_weights_are_refused_before_any_rewrite(act_dtype):
     with pytest.raises(quantkit.ConvertError):
         convert_in_place(prepared)  # the in-place flavour refuses before rewriting anything
     assert str(prepared.graph) == before
-    # torchao's own ops fail on it at run time, as the comment in quantkit._convert says
+    # torchao's own ops fail on it at run time, as the comment in quantkit.pipeline._convert says
     fi = torch.finfo(act_dtype)
     q = torch.ops.quantized_decomposed.quantize_per_channel.default(
         torch.ones(2, 3), torch.ones(2), torch.zeros(2, dtype=torch.int64), 0, int(fi.min), int(fi.max), act_dtype)

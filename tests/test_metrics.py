@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from quantkit import metrics
-from quantkit._metrics import Evaluator, primary_tensor
+from quantkit.accuracy._metrics import Evaluator, primary_tensor
 
 
 def negative_l1(float_output, quantized_output):

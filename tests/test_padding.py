@@ -162,7 +162,7 @@ def test_unaware_observer_and_all_padding():
 def test_smoothquant_statistics_skip_padding():
     # SmoothQuant's per-channel activation maxima come from real tokens only: the padding
     # token's spike (channel 3 of the embeddings) does not reach the first layer's scale
-    from quantkit._smoothquant import _collect, _groups
+    from quantkit.accuracy._smoothquant import _collect, _groups
 
     model = _bert()
     batches = _batches()

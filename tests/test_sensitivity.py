@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import quantkit
-from quantkit._layers import KeepFloat, find_layers
-from quantkit._variants import Variants
+from quantkit.pipeline._layers import KeepFloat, find_layers
+from quantkit.pipeline._variants import Variants
 from quantkit.quantizers import W8A8Quantizer
 from tests.models import make_transformer
 from tests.outlier_models import make_planted

@@ -8,7 +8,7 @@ from torch import nn
 
 import quantkit
 from quantkit._qmath import sqnr
-from quantkit._smoothquant import SMOOTHQUANT_META_KEY, parse_alpha
+from quantkit.accuracy._smoothquant import SMOOTHQUANT_META_KEY, parse_alpha
 from tests.models import make_transformer
 from tests.outlier_models import make_channel_outliers
 
@@ -124,7 +124,7 @@ def test_parse_alpha_and_errors():
 def test_auto_alpha_scores_the_quantization_it_is_given():
     """alpha="auto" simulates the QuantConfig passed as ``config``: per-token activations
     (the quantized_decomposed ops convert emits) and the config's weight observer."""
-    from quantkit._smoothquant import _quantized_acts, _quantized_weight
+    from quantkit.accuracy._smoothquant import _quantized_acts, _quantized_weight
     from quantkit.quantizers import QuantConfig, W8A8Quantizer
 
     per_token = QuantConfig(dynamic=True, granularity="per-token")

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from ._calibrate import run_batches
+from ..pipeline._calibrate import run_batches
 
 __all__ = [
     "embedding_cosine",

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
-from . import _artifact, _cli_data as datasets, _cli_inputs as inputs, _cli_report as report
+from ..export import _artifact
+from . import _cli_data as datasets, _cli_inputs as inputs, _cli_report as report
 from ._cli_quantize import REPORT_JSON, TOKENIZER_DIR
-from ._errors import QuantkitError
+from .._errors import QuantkitError
 
 __all__ = ["run_inspect", "run_eval"]
 
@@ -216,7 +217,7 @@ def _load_int8(path: Path, device: torch.device):
     """The artifact's int8 program as a module on ``device`` (artifacts are saved for CPU)."""
     from quantkit import load
 
-    module = load(path)  # verified and read without unpickling (quantkit._safe_pt2)
+    module = load(path)  # verified and read without unpickling (quantkit.export._safe_pt2)
     if device.type == "cpu":
         return module
     from torch.export.passes import move_to_device_pass
@@ -248,7 +249,7 @@ def _compiled(float_model, qmodel, batches: list):
     import contextlib
 
     import quantkit
-    from ._inputs import call_model
+    from ..pipeline._inputs import call_model
 
     try:
         with contextlib.redirect_stderr(io.StringIO()), torch.no_grad():

@@ -19,12 +19,12 @@ from torch.fx import GraphModule, Node
 
 from quantkit.observers._tokens import real_tokens
 
-from ._calibrate import run_batches
-from ._capture import capture
-from ._layers import DEQUANTIZE_OPS, layer_of
+from ..pipeline._calibrate import run_batches
+from ..pipeline._capture import capture
+from ..pipeline._layers import DEQUANTIZE_OPS, layer_of
 from ._metrics import reiterable
-from ._qmath import choose_qparams, fake_quantize
-from ._sharing import observer_for_spec
+from .._qmath import choose_qparams, fake_quantize
+from ..pipeline._sharing import observer_for_spec
 
 __all__ = ["smooth_quant", "parse_alpha", "SMOOTHQUANT_META_KEY"]
 

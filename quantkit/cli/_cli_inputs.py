@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from . import _hf
-from ._errors import QuantkitError
+from .. import _hf
+from .._errors import QuantkitError
 
 __all__ = [
     "UsageError", "ModelSpec", "is_factory_name", "LoadedModel", "parse_example_input", "load_model",

@@ -15,8 +15,9 @@ from enum import Enum
 from pathlib import Path
 
 
-from . import _artifact, _cli_data as datasets, _cli_inputs as inputs, _cli_report as report
-from ._errors import QuantkitError
+from ..export import _artifact
+from . import _cli_data as datasets, _cli_inputs as inputs, _cli_report as report
+from .._errors import QuantkitError
 
 __all__ = ["Scheme", "Recipe", "run_quantize", "REPORT_JSON", "REPORT_MD", "TOKENIZER_DIR"]
 
@@ -119,8 +120,8 @@ class Recipe:
                       accuracy_budget=args.accuracy_budget, metric=args.metric)
 
     def __post_init__(self) -> None:
-        from quantkit._metrics import resolve_metric
-        from quantkit._smoothquant import parse_alpha
+        from quantkit.accuracy._metrics import resolve_metric
+        from quantkit.accuracy._smoothquant import parse_alpha
         from quantkit.quantizers import QUANTIZABLE_OPS
 
         for flag, name, role in (("--observer", self.observer, "activation"),
@@ -296,7 +297,7 @@ def run_quantize(args, say) -> int:
     # torch.export prints the partial graph to stderr when it fails; CaptureError says why in one line
     with contextlib.redirect_stderr(io.StringIO()):
         if spec.is_hf:
-            from . import _hf
+            from .. import _hf
 
             gm = quantkit.capture(loaded.model, calib[0], dynamic_shapes=_hf.dynamic_shapes(calib[0]))
         else:

@@ -10,7 +10,7 @@ from torch.fx import GraphModule
 
 from quantkit.observers._tokens import token_mask
 
-from ._errors import CalibrationError, QuantkitError
+from .._errors import CalibrationError, QuantkitError
 from ._inputs import call_model
 
 __all__ = ["calibrate", "run_batches"]

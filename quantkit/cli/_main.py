@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings(), (contextlib.nullcontext() if debug else _quiet_torch_logs()):
         if not debug:
             warnings.simplefilter("ignore")
-        from ._atomic import Terminated, sigterm_as_interrupt
+        from ..export._atomic import Terminated, sigterm_as_interrupt
 
         try:
             with sigterm_as_interrupt(redeliver=False):  # SIGTERM cleans up like Ctrl-C
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             if debug:
                 raise
             from ._cli_inputs import UsageError
-            from ._errors import QuantkitError
+            from .._errors import QuantkitError
 
             if isinstance(exc, UsageError):
                 print(f"quantkit: error: {_one_line(exc)}", file=sys.stderr)

@@ -9,9 +9,9 @@ from typing import Any, Iterable
 
 import torch
 
-from ._layers import Layer
+from ..pipeline._layers import Layer
 from ._metrics import Evaluator, Metric, reiterable, resolve_metric
-from ._variants import Variants
+from ..pipeline._variants import Variants
 
 __all__ = ["sensitivity", "SensitivityMode", "SensitivityReport", "LayerSensitivity"]
 

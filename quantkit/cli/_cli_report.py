@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from . import _hf
-from ._errors import QuantkitError
-from ._inputs import call_model
-from ._scopes import module_scopes
+from .. import _hf
+from .._errors import QuantkitError
+from ..pipeline._inputs import call_model
+from ..pipeline._scopes import module_scopes
 
 __all__ = ["output_kind", "compare_models", "time_interleaved", "json_safe", "layer_sqnr", "render_report",
            "render_table", "describe_recipe", "sqnr_db", "METRIC_NAMES"]

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.export import Dim
 
-from ._errors import CaptureError
+from .._errors import CaptureError
 from ._inputs import as_args_kwargs
 
 __all__ = ["capture"]

@@ -10,10 +10,10 @@ from typing import Any, Iterable
 import torch
 from torch.fx import GraphModule
 
-from ._layers import Layer, find_layers, gemm_flops, int8_fraction
+from ..pipeline._layers import Layer, find_layers, gemm_flops, int8_fraction
 from ._metrics import Evaluator, Metric, reiterable, resolve_metric
 from ._sensitivity import SensitivityReport, _mode, measure
-from ._variants import Variants
+from ..pipeline._variants import Variants
 
 __all__ = ["auto_fallback", "FallbackReport"]
 

@@ -8,8 +8,8 @@ import warnings
 import torch
 from torch.fx import GraphModule
 
-from ._lowering import Target, lower
-from ._lowering._onednn import exact_for_graph
+from ._lower import Target, lower
+from ._onednn import exact_for_graph
 
 __all__ = ["compile", "CPU_KERNELS", "LOWERING_META_KEY"]
 
@@ -21,7 +21,7 @@ CPU_KERNELS = ("auto", "onednn", "reference")
 
 def _has_qdq(gm: GraphModule) -> bool:
     """Whether ``gm`` holds quantized_decomposed dequantize ops (a q/dq graph, e.g. torchao's)."""
-    from ._convert import DEQUANTIZE_OPS
+    from ..pipeline._convert import DEQUANTIZE_OPS
 
     return any(n.op == "call_function" and n.target in DEQUANTIZE_OPS for n in gm.graph.nodes)
 

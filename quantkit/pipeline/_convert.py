@@ -10,7 +10,7 @@ from torch.fx.node import map_arg
 
 from quantkit.observers import QuantkitObserver
 
-from ._errors import ConvertError
+from .._errors import ConvertError
 from ._prepare import (
     control_flow_subgraphs,
     copy_sharing_parameters,
@@ -19,7 +19,7 @@ from ._prepare import (
     is_prepared,
     set_submodule,
 )
-from ._qmath import FLOAT8_DTYPES, is_per_channel, underlying_dtype
+from .._qmath import FLOAT8_DTYPES, is_per_channel, underlying_dtype
 
 __all__ = [
     "convert", "convert_in_place", "emit_dynamic", "QPARAMS_META_KEY", "QUANTIZE_OPS", "DEQUANTIZE_OPS", "FOLDED_PREFIX",

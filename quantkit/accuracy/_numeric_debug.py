@@ -23,12 +23,12 @@ from typing import Any, Iterable
 import torch
 from torch.fx import GraphModule, Node
 
-from ._calibrate import run_batches
-from ._capture import capture
-from ._fold_bn import fold_conv_bn
-from ._layers import DEQUANTIZE_OPS, QUANTIZE_OPS, Layer, find_layers, layer_of, source_dequantize
+from ..pipeline._calibrate import run_batches
+from ..pipeline._capture import capture
+from ..pipeline._fold_bn import fold_conv_bn
+from ..pipeline._layers import DEQUANTIZE_OPS, QUANTIZE_OPS, Layer, find_layers, layer_of, source_dequantize
 from ._metrics import reiterable
-from ._qmath import dequantize
+from .._qmath import dequantize
 
 __all__ = ["compare", "LayerReport", "LayerRow", "ActivationRange"]
 

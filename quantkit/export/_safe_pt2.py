@@ -50,7 +50,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ._errors import QuantkitError
+from .._errors import QuantkitError
 
 __all__ = ["check_archive", "load_program", "refuse_unsafe_unpickling", "Archive"]
 

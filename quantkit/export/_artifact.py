@@ -6,8 +6,8 @@ dequantize ops); it loads with ``torch.export.load`` once ``quantkit`` is import
 recipe, the qparams and the SHA-256 of ``model.pt2``.
 
 :func:`load` reads ``model.pt2`` without unpickling or running code from it
-(``quantkit._safe_pt2``) and checks it against that SHA-256. Directories are written
-beside their final place and swapped into it at the end (``quantkit._atomic``), so a
+(``quantkit.export._safe_pt2``) and checks it against that SHA-256. Directories are written
+beside their final place and swapped into it at the end (``quantkit.export._atomic``), so a
 failure, Ctrl-C or SIGTERM leaves the previous directory (or nothing) behind.
 """
 
@@ -28,9 +28,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import _atomic, _safe_pt2
-from ._capture import CAPTURE_META_KEY
-from ._convert import QPARAMS_META_KEY
-from ._errors import QuantkitError
+from ..pipeline._capture import CAPTURE_META_KEY
+from ..pipeline._convert import QPARAMS_META_KEY
+from .._errors import QuantkitError
 
 __all__ = ["save", "load", "MODEL_FILE", "RECIPE_FILE", "FORMAT", "FORMAT_VERSION", "ARTIFACT_FILES",
            "PROGRAM_META_KEY", "RECIPE_META_KEY", "export_converted", "write_program", "recipe_document",
@@ -308,7 +308,7 @@ def check_out_dir(path: str | os.PathLike, *, overwrite: bool, flag: str = "over
 
     Only an empty directory or a quantkit artifact is ever replaced: ``quantization.json``
     that is quantkit's, ``model.pt2``, and nothing but the files quantkit writes. First
-    cleans up after a writer of ``path`` that was killed (see ``quantkit._atomic.recover``).
+    cleans up after a writer of ``path`` that was killed (see ``quantkit.export._atomic.recover``).
 
     Raises:
         QuantkitError: it exists and ``overwrite`` is False (``exists_error``), it is a file

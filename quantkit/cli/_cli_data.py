@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from . import _hf
-from ._errors import QuantkitError
+from .. import _hf
+from .._errors import QuantkitError
 
 __all__ = [
     "DataSpec", "Split", "TENSOR_SUFFIXES", "read_samples", "nonfinite", "fingerprint", "split_samples",
