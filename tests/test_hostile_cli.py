@@ -618,3 +618,25 @@ def test_pickle_payload_in_hf_checkpoint_never_runs(bert_copy, sentences, tmp_pa
     assert "hold pickled objects that are not tensors" in line and "model.safetensors" in line, line
     assert not marker.exists(), "a pickle payload in pytorch_model.bin ran"
     _no_leftovers(out)
+
+
+def test_closed_stdout_is_not_an_error(mlp_artifact, monkeypatch, capsys):
+    """`quantkit inspect DIR | head -2`: the reader closing the pipe ends the command quietly."""
+
+    class _ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+        def fileno(self):
+            raise ValueError("no descriptor")  # main() must not depend on one
+
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    rc = main(["inspect", str(mlp_artifact)])
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert rc == 0 and err == "", (rc, err)
+    assert main(["inspect", str(mlp_artifact)]) == 0  # and normally it prints its table
+    assert "int8 weights" in capsys.readouterr().out

@@ -242,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
             sigterm = isinstance(exc, Terminated)
             print(f"quantkit: interrupted{' (SIGTERM)' if sigterm else ''}", file=sys.stderr)
             return 143 if sigterm else 130
+        except BrokenPipeError:  # `quantkit inspect DIR | head`: the reader left, which is not an error
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+            return EXIT_OK
         except Exception as exc:
             if debug:
                 raise
