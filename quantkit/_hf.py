@@ -30,6 +30,7 @@ __all__ = [
     "read_sentences",
     "tokenize",
     "dynamic_shapes",
+    "accepted_inputs",
     "embed",
     "cosine",
     "SentenceEmbedder",
@@ -337,6 +338,25 @@ def tokenize(tokenizer, sentences: list[str], *, seq_len: int = 128, batch_size:
                         max_length=seq_len, return_tensors="pt")
         batches.append(dict(enc))
     return batches
+
+
+def accepted_inputs(model: torch.nn.Module, batch: dict) -> dict:
+    """``batch`` without the tokenizer outputs ``model.forward`` does not name.
+
+    A tokenizer may return inputs its model ignores (a BERT-style tokenizer's ``token_type_ids``
+    beside a Llama or DistilBERT model, where they would land in ``**kwargs``); torch.export
+    then refuses the batch. Inputs the forward names explicitly are kept; ``input_ids`` and
+    ``attention_mask`` always are.
+    """
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # no introspectable signature: keep everything
+        return batch
+    named = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    keep = named | {"input_ids", "attention_mask"}
+    return {k: v for k, v in batch.items() if k in keep}
 
 
 def dynamic_shapes(batch):

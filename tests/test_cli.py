@@ -650,3 +650,30 @@ def test_quantize_on_cuda_saves_a_cpu_artifact(mlp_inputs, tmp_path, capsys):
     assert main(["eval", str(out), "--model", "tests.cli_factories:mlp", "--device", "cuda", "--no-compile",
                  "--quiet", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["device"].startswith("cuda")
+
+
+def test_tokenizer_outputs_the_model_does_not_take_are_dropped(few_sentences, tmp_path):
+    """A BERT-style tokenizer beside a DistilBERT classifier returns token_type_ids, which
+    DistilBERT's forward does not take: the CLI feeds the model only the inputs it names."""
+    transformers = pytest.importorskip("transformers")
+    model_dir = tmp_path / "distil"
+    torch.manual_seed(0)
+    cfg = transformers.DistilBertConfig(vocab_size=30522, dim=32, hidden_dim=64, n_layers=2, n_heads=2,
+                                        num_labels=4, max_position_embeddings=128)
+    transformers.DistilBertForSequenceClassification(cfg).save_pretrained(str(model_dir), safe_serialization=True)
+    for f in _TOKENIZER_FILES:
+        shutil.copy(_hf.default_model_path() / f, model_dir / f)
+    tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    assert "token_type_ids" in tok(["a test"])  # the case this test is about
+    out = tmp_path / "distil-int8"
+    assert main(["quantize", str(model_dir), "--calib", str(few_sentences), "--out", str(out), "--quiet",
+                 "--num-calib", "8"]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["metric"]["name"] == "logits cosine" and rep["metric"]["min_cosine"] >= 0.99, rep["metric"]
+    enc = dict(tok(_hf.read_sentences(few_sentences)[:4], padding=True, return_tensors="pt"))
+    enc.pop("token_type_ids")
+    with torch.no_grad():
+        ref = transformers.DistilBertForSequenceClassification.from_pretrained(str(model_dir)).eval()(**enc).logits
+        got = quantkit.load(out)(**enc)["logits"]
+    assert got.shape == ref.shape == (4, 4)
+    assert torch.nn.functional.cosine_similarity(ref.double(), got.double(), dim=-1).min() >= 0.99

@@ -262,7 +262,8 @@ def make_batches(samples: list, loaded, *, seq_len: int, batch_size: int, what: 
         if loaded.tokenizer is None:
             raise QuantkitError(f"{what} data is text but the model has no tokenizer; "
                                 "pass a directory of .pt/.npy/.safetensors tensors")
-        return _hf.tokenize(loaded.tokenizer, samples, seq_len=seq_len, batch_size=batch_size, padding="longest")
+        batches = _hf.tokenize(loaded.tokenizer, samples, seq_len=seq_len, batch_size=batch_size, padding="longest")
+        return [_hf.accepted_inputs(loaded.model, b) for b in batches]
     pad_id = None
     if loaded.example is not None:
         for s, o in zip(samples, origins):
