@@ -112,28 +112,20 @@ def _weight_pickle(marker):
     return edit
 
 
-def _constant_pickle(marker):
-    def edit(m):
-        m[ROOT + "data/constants/model_constants_config.json"] = json.dumps({"config": {"c": {
-            "path_name": "tensor_constant_0", "is_param": False, "use_pickle": True, "tensor_meta": None}}}).encode()
-        m[ROOT + "data/constants/tensor_constant_0"] = _torch_pickle(_Payload(f"open({str(marker)!r}, 'w')"))
-    return edit
+def _pickled_constant(path_name, dumps):
+    """A constant member ``path_name`` marked ``use_pickle``, holding ``dumps(payload)``."""
+    def make(marker):
+        def edit(m):
+            m[ROOT + "data/constants/model_constants_config.json"] = json.dumps({"config": {"c": {
+                "path_name": path_name, "is_param": False, "use_pickle": True, "tensor_meta": None}}}).encode()
+            m[ROOT + "data/constants/" + path_name] = dumps(_Payload(f"open({str(marker)!r}, 'w')"))
+        return edit
+    return make
 
 
-def _opaque_object(marker):
-    def edit(m):
-        m[ROOT + "data/constants/model_constants_config.json"] = json.dumps({"config": {"c": {
-            "path_name": "opaque_obj_0", "is_param": False, "use_pickle": True, "tensor_meta": None}}}).encode()
-        m[ROOT + "data/constants/opaque_obj_0"] = pickle.dumps(_Payload(f"open({str(marker)!r}, 'w')"))
-    return edit
-
-
-def _custom_object(marker):
-    def edit(m):
-        m[ROOT + "data/constants/model_constants_config.json"] = json.dumps({"config": {"c": {
-            "path_name": "custom_obj_0", "is_param": False, "use_pickle": True, "tensor_meta": None}}}).encode()
-        m[ROOT + "data/constants/custom_obj_0"] = pickle.dumps(_Payload(f"open({str(marker)!r}, 'w')"))
-    return edit
+_constant_pickle = _pickled_constant("tensor_constant_0", _torch_pickle)
+_opaque_object = _pickled_constant("opaque_obj_0", pickle.dumps)
+_custom_object = _pickled_constant("custom_obj_0", pickle.dumps)
 
 
 def _legacy_weights(marker):

@@ -379,6 +379,13 @@ def verify_artifact(path: str | os.PathLike) -> dict:
         QuantkitError: one line saying what is wrong.
     """
     path = Path(path)
+    doc = _checked_recipe(path)
+    _safe_pt2.check_archive(path / MODEL_FILE).zf.close()
+    return doc
+
+
+def _checked_recipe(path: Path) -> dict:
+    """:func:`verify_artifact` without the archive check (``load`` gets that from ``load_program``)."""
     if not path.is_dir():
         raise QuantkitError(f"{str(path)!r} is not a directory; pass a directory written by quantkit")
     if not (path / RECIPE_FILE).is_file() or not (path / MODEL_FILE).is_file():
@@ -387,7 +394,6 @@ def verify_artifact(path: str | os.PathLike) -> dict:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise QuantkitError(f"{str(path / RECIPE_FILE)!r} is not a quantkit quantization.json")
     _check_digest(path / MODEL_FILE, doc)
-    _safe_pt2.check_archive(path / MODEL_FILE).zf.close()
     return doc
 
 
@@ -455,8 +461,8 @@ def load(path: str | os.PathLike) -> torch.nn.Module:
     model_file = path / MODEL_FILE
     if not model_file.is_file():
         raise QuantkitError(f"{str(path)!r} has no {MODEL_FILE}; it is not a quantkit artifact")
-    doc = verify_artifact(path) if (path / RECIPE_FILE).is_file() else None
-    program = _safe_pt2.load_program(model_file)
+    doc = _checked_recipe(path) if (path / RECIPE_FILE).is_file() else None
+    program = _safe_pt2.load_program(model_file)  # checks the archive first
     module = program.module()
     module.meta["quantkit_converted"] = True  # a q/dq graph: quantkit.compile accepts it
     module.meta[PROGRAM_META_KEY] = program
