@@ -6,6 +6,7 @@ state of another observer of its kind (``obs.merge(other)``).
 """
 
 from ._base import PER_CHANNEL, PER_TENSOR, PER_TOKEN, QuantkitObserver, declared_qscheme
+from ._hessian import HessianObserver
 from ._histogram import HistogramMethod, HistogramObserver, PerChannelMSEObserver
 from ._minmax import (
     MinMaxObserver,
@@ -30,6 +31,7 @@ __all__ = [
     "PlaceholderObserver",
     "FixedQParamsObserver",
     "DerivedObserver",
+    "HessianObserver",
     "HistogramMethod",
     "HistogramObserver",
     "PerChannelMSEObserver",

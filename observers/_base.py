@@ -174,8 +174,27 @@ class QuantkitObserver(ObserverBase):
         Raises:
             ConvertError: if the observer has seen no data.
         """
+        if self._fixed_qparams is not None:
+            return self._fixed_qparams
         self._check_calibrated()
         return self._choose(*self._min_max())
+
+    # set by set_qparams: qparams a rounding algorithm (GPTQ) chose, returned whatever was observed
+    _fixed_qparams: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def set_qparams(self, scale: torch.Tensor, zero_point: torch.Tensor) -> None:
+        """Fix the qparams :meth:`calculate_qparams` returns from now on, whatever the observer
+        sees (a rounding algorithm such as GPTQ chose them together with the weight's integers).
+
+        Args:
+            scale, zero_point: shaped and typed as this observer's own ``calculate_qparams`` gives them.
+        """
+        self._fixed_qparams = (scale.detach().clone(), zero_point.detach().clone())
+
+    @property
+    def has_fixed_qparams(self) -> bool:
+        """Whether :meth:`set_qparams` fixed this observer's qparams."""
+        return self._fixed_qparams is not None
 
     def _qp(self) -> dict:
         """This observer's quantization settings, as choose_qparams' keyword arguments."""

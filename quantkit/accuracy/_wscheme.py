@@ -1,0 +1,93 @@
+"""WeightScheme: how a weight observer quantizes a linear weight, as the rounding algorithms
+(GPTQ, AWQ) need it: group-wise or per-channel integer qparams and round-to-nearest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .._qmath import DEFAULT_EPS, choose_qparams, fake_quantize, is_symmetric, underlying_dtype
+
+__all__ = ["WeightScheme", "WEIGHT_ALGORITHMS"]
+
+# the values of QuantConfig(weight_algorithm=...) and of a weight observer's ``weight_algorithm``
+WEIGHT_ALGORITHMS = ("rtn", "gptq", "awq")
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """Integer weight quantization of a ``[out_features, in_features]`` weight.
+
+    Args:
+        quant_min, quant_max: integer range.
+        symmetric: symmetric (zero point fixed) or affine qparams.
+        group_size: input features that share one scale; None: one scale per output row.
+        dtype: integer dtype of the stored values (decides unsigned symmetric zero points).
+        eps: smallest scale.
+        customized_qrange: the range was given by the user (see ``_qmath.choose_qparams``).
+    """
+
+    quant_min: int
+    quant_max: int
+    symmetric: bool
+    group_size: int | None = None
+    dtype: torch.dtype = torch.int8
+    eps: float = DEFAULT_EPS
+    customized_qrange: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.quant_min < self.quant_max:
+            raise ValueError(f"quant_min must be below quant_max, got [{self.quant_min}, {self.quant_max}]")
+        if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
+            raise ValueError(f"group_size must be a positive int or None, got {self.group_size!r}")
+
+    @classmethod
+    def of(cls, obs) -> "WeightScheme":
+        """The scheme a weight observer declares (``quant_min``/``quant_max``, ``symmetric`` or
+        its ``qscheme``, ``group_size``, ``dtype``, ``eps``)."""
+        symmetric = getattr(obs, "symmetric", None)
+        if symmetric is None:
+            symmetric = is_symmetric(obs.qscheme)
+        eps = getattr(obs, "eps", DEFAULT_EPS)
+        group = getattr(obs, "group_size", None)
+        return cls(
+            quant_min=int(obs.quant_min), quant_max=int(obs.quant_max), symmetric=bool(symmetric),
+            group_size=None if group is None or group <= 0 else int(group),
+            dtype=underlying_dtype(getattr(obs, "dtype", torch.int8)),
+            eps=float(eps.reshape(-1)[0]) if isinstance(eps, torch.Tensor) else float(eps),
+            customized_qrange=bool(getattr(obs, "has_customized_qrange", False)),
+        )
+
+    def group(self, in_features: int) -> int:
+        """Columns per group for a weight with ``in_features`` columns."""
+        gs = self.group_size or in_features
+        if in_features % gs:
+            raise ValueError(f"group size {gs} does not divide the {in_features} input features")
+        return gs
+
+    def row_qparams(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One ``(scale, zero_point)`` per row of ``w`` (``[N, k]``), from the row's min/max."""
+        qscheme = torch.per_channel_symmetric if self.symmetric else torch.per_channel_affine
+        return choose_qparams(w.amin(1), w.amax(1), qscheme=qscheme, dtype=self.dtype, quant_min=self.quant_min,
+                              quant_max=self.quant_max, eps=self.eps, customized_qrange=self.customized_qrange)
+
+    def qparams(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Round-to-nearest qparams of ``w`` (``[N, K]``): ``[N, K // group]`` scales and zero points."""
+        n, k = w.shape
+        gs = self.group(k)
+        scale, zp = self.row_qparams(w.reshape(n * (k // gs), gs))
+        return scale.reshape(n, k // gs), zp.reshape(n, k // gs)
+
+    def fake_quantize(self, w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+        """``dequantize(quantize(w))`` with ``[N, G]`` qparams (the values convert stores)."""
+        n, k = w.shape
+        gs = self.group(k)
+        flat = w.float().reshape(n * (k // gs), gs)
+        out = fake_quantize(flat, scale.reshape(-1).float(), zero_point.reshape(-1), self.quant_min, self.quant_max,
+                            self.dtype, axis=0)
+        return out.reshape(n, k)
+
+    def rtn(self, w: torch.Tensor) -> torch.Tensor:
+        """``w`` rounded to nearest with its own qparams."""
+        return self.fake_quantize(w, *self.qparams(w))
