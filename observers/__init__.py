@@ -17,6 +17,7 @@ from ._minmax import (
 )
 from ._registry import available, get, register
 from ._special import DerivedObserver, FixedQParamsObserver
+from ._sync import sync
 
 __all__ = [
     "QuantkitObserver",
@@ -38,4 +39,5 @@ __all__ = [
     "register",
     "get",
     "available",
+    "sync",
 ]

@@ -8,6 +8,7 @@ from quantkit._errors import ConvertError
 from quantkit._qmath import is_per_channel, underlying_dtype
 
 from ._base import PER_TENSOR, PER_TOKEN, QuantkitObserver
+from ._history import BatchHistory
 from ._registry import register
 
 __all__ = [
@@ -74,9 +75,15 @@ class MovingAverageMinMaxObserver(MinMaxObserver):
         super().__init__(dtype=dtype, qscheme=qscheme, **kwargs)
         self.averaging_constant = _check_averaging_constant(averaging_constant)
         self.register_buffer("num_batches", torch.tensor(0, dtype=torch.int64))
+        self.batch_history = BatchHistory()  # replayed by quantkit.observers.sync
 
     def _observe(self, x: torch.Tensor) -> None:
         mn, mx = self._batch_min_max(x)
+        self.batch_history.record(mn, mx)
+        self._average(mn, mx)
+
+    def _average(self, mn: torch.Tensor, mx: torch.Tensor) -> None:
+        """One step of the average with a batch's minimum and maximum."""
         if int(self.num_batches) == 0:
             self.min_val.copy_(mn)
             self.max_val.copy_(mx)
@@ -172,9 +179,15 @@ class MovingAveragePerChannelMinMaxObserver(PerChannelMinMaxObserver):
         super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme, **kwargs)
         self.averaging_constant = _check_averaging_constant(averaging_constant)
         self.register_buffer("num_batches", torch.tensor(0, dtype=torch.int64))
+        self.batch_history = BatchHistory()  # replayed by quantkit.observers.sync
 
     def _observe(self, x: torch.Tensor) -> None:
         mn, mx = self._batch_min_max(x)
+        self.batch_history.record(mn, mx)
+        self._average(mn, mx)
+
+    def _average(self, mn: torch.Tensor, mx: torch.Tensor) -> None:
+        """One step of the average with a batch's per-channel minima and maxima."""
         if self.calibrated:
             c = self.averaging_constant
             mn = self.min_val + c * (mn - self.min_val)

@@ -19,6 +19,7 @@ from . import _quiet  # noqa: F401  (first: imports torchao without its import-t
 from .pipeline._api import quantize
 from .export._artifact import load, save
 from .pipeline._calibrate import calibrate
+from .pipeline._distributed import shard
 from .pipeline._capture import capture
 from .lowering._compile import compile
 from .pipeline._convert import convert
@@ -35,6 +36,7 @@ __all__ = [
     "capture",
     "prepare",
     "calibrate",
+    "shard",
     "convert",
     "compile",
     "quantize",

@@ -77,7 +77,8 @@ def run_batches(model: torch.nn.Module, data: Iterable, *, progress: bool, max_b
 
 
 def calibrate(prepared: GraphModule, data: Iterable, *, progress: bool = True,
-              max_batches: int | None = None, skip_padding: bool = True) -> GraphModule:
+              max_batches: int | None = None, skip_padding: bool = True,
+              distributed: bool | str = "auto") -> GraphModule:
     """Run ``data`` through a prepared model so its observers record ranges.
 
     Ownership: works in place (recording ranges into the prepared model's observers is
@@ -93,6 +94,12 @@ def calibrate(prepared: GraphModule, data: Iterable, *, progress: bool = True,
             observers leave out the padding tokens it marks (0), so that ranges describe
             real tokens only. Applies to observers of ``[batch, ..., tokens, ...]``
             activations of a graph with an ``attention_mask`` input.
+        distributed: ``"auto"`` (default): when ``torch.distributed`` is initialised with
+            more than one process, ``data`` is this rank's shard (``quantkit.shard(batches)``)
+            and the observers are reduced across ranks afterwards
+            (:func:`quantkit.observers.sync`: every rank ends with the observers of one
+            process that saw all shards in rank order); ``True`` requires a process group;
+            ``False`` calibrates this process alone. ``max_batches`` then counts per rank.
 
     Returns:
         ``prepared`` itself (calibration updates it in place).
@@ -106,8 +113,14 @@ def calibrate(prepared: GraphModule, data: Iterable, *, progress: bool = True,
     if not isinstance(prepared, GraphModule) or not (
             prepared.meta.get("quantkit_prepared", False) or any(is_observer_module(m) for m in prepared.modules())):
         raise TypeError("calibrate expects a model returned by quantkit.prepare (or torchao's prepare_pt2e)")
-    seen = run_batches(prepared, data, progress=progress, max_batches=max_batches,
-                       desc="calibrating", what="calibration", skip_padding=skip_padding)
+    from ._distributed import calibrate_synced, use_distributed
+
+    run = lambda: run_batches(prepared, data, progress=progress, max_batches=max_batches,  # noqa: E731
+                              desc="calibrating", what="calibration", skip_padding=skip_padding)
+    from quantkit.accuracy._rounding import with_weight_algorithms  # GPTQ/AWQ, when weights ask for them
+
+    run = with_weight_algorithms(prepared, data, run, max_batches=max_batches)
+    seen = calibrate_synced(prepared, run) if use_distributed(distributed) else run()
     if seen == 0:
         raise CalibrationError(
             "calibration data is empty: no batches were run; pass at least one representative batch"
