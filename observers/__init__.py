@@ -7,6 +7,7 @@ state of another observer of its kind (``obs.merge(other)``).
 
 from ._base import PER_CHANNEL, PER_TENSOR, PER_TOKEN, QuantkitObserver, declared_qscheme
 from ._hessian import HessianObserver
+from ._groupwise import PER_GROUP, GroupwiseWeightObserver
 from ._histogram import HistogramMethod, HistogramObserver, PerChannelMSEObserver
 from ._minmax import (
     MinMaxObserver,
@@ -25,6 +26,8 @@ __all__ = [
     "PER_TENSOR",
     "PER_CHANNEL",
     "PER_TOKEN",
+    "PER_GROUP",
+    "GroupwiseWeightObserver",
     "MinMaxObserver",
     "MovingAverageMinMaxObserver",
     "PerChannelMinMaxObserver",

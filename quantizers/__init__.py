@@ -19,6 +19,7 @@ from torchao.quantization.pt2e.quantizer import (
 from ._config import QUANTIZABLE_OPS, ActivationScheme, Granularity, QuantConfig
 from ._embedding import EmbeddingQuantizer
 from ._w8a8 import W8A8Quantizer
+from ._weight_only import WeightOnlyConfig, WeightOnlyQuantizer
 
 __all__ = [
     "Quantizer",
@@ -31,6 +32,8 @@ __all__ = [
     "EdgeOrNode",
     "W8A8Quantizer",
     "EmbeddingQuantizer",
+    "WeightOnlyQuantizer",
+    "WeightOnlyConfig",
     "QuantConfig",
     "ActivationScheme",
     "Granularity",

@@ -29,6 +29,16 @@ __all__ = [
     "dequantize",
     "fake_quantize",
     "sqnr",
+    "NF4_VALUES",
+    "group_min_max",
+    "choose_qparams_group",
+    "quantize_group",
+    "dequantize_group",
+    "nf4_scales",
+    "quantize_nf4",
+    "dequantize_nf4",
+    "pack_int4",
+    "unpack_int4",
 ]
 
 # torch.finfo(torch.float32).eps, the floor torchao uses for scales
@@ -274,3 +284,105 @@ def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
     if err == 0:
         return float("inf")
     return float(20 * torch.log10(ref.norm() / err))
+
+
+# --- group-wise weights (int4 / int8 weight-only) and NF4 --------------------------------------
+# NF4 (QLoRA, Dettmers et al. 2023, appendix E; bitsandbytes' NF4 code book): the 16 quantiles of
+# N(0, 1) normalised to [-1, 1] with an exact 0; codes are indices into this ascending table.
+NF4_VALUES = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)
+
+
+def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    if w.dim() != 2 or w.shape[-1] % group_size != 0:
+        raise ValueError(
+            f"group-wise quantization needs a 2-D weight whose last dimension is a multiple of the group "
+            f"size {group_size}, got shape {tuple(w.shape)}"
+        )
+    return w.reshape(w.shape[0], w.shape[1] // group_size, group_size)
+
+
+def group_min_max(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Minimum and maximum of each group of ``group_size`` consecutive input features of the
+    ``[N, K]`` weight ``w``: two float32 ``[N, K // group_size]`` tensors."""
+    g = _grouped(w.detach().float(), group_size)
+    return g.amin(-1), g.amax(-1)
+
+
+def choose_qparams_group(min_val: torch.Tensor, max_val: torch.Tensor, *, quant_min: int, quant_max: int,
+                         symmetric: bool, dtype: torch.dtype = torch.int8,
+                         eps: float | torch.Tensor = DEFAULT_EPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point of every group (shapes of ``min_val``, e.g. ``[N, K // g]``):
+    :func:`choose_qparams`' per-channel formula applied to each group's range.
+
+    Returns:
+        ``(scale float32, zero_point int8)``; the zero points fit int8 for every 4- and 8-bit range
+        (``[0, 15]``, ``[-8, 7]``, ``[-128, 127]``) and are stored that small in artifacts.
+    """
+    qscheme = torch.per_channel_symmetric if symmetric else torch.per_channel_affine
+    scale, zp = choose_qparams(min_val, max_val, qscheme=qscheme, dtype=dtype, quant_min=quant_min,
+                               quant_max=quant_max, eps=eps, customized_qrange=True)
+    return scale.reshape(min_val.shape), zp.reshape(min_val.shape).to(torch.int8)
+
+
+def quantize_group(w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, quant_min: int,
+                   quant_max: int, dtype: torch.dtype, group_size: int) -> torch.Tensor:
+    """Quantize the ``[N, K]`` weight ``w`` group-wise exactly as the graph op
+    ``quantized_decomposed.quantize_per_channel_group`` does (``scale``/``zero_point``: one per group)."""
+    _grouped(w, group_size)
+    return torch.ops.quantized_decomposed.quantize_per_channel_group.default(
+        w, scale, zero_point, quant_min, quant_max, underlying_dtype(dtype), group_size)
+
+
+def dequantize_group(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, quant_min: int,
+                     quant_max: int, dtype: torch.dtype, group_size: int,
+                     out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_group`: ``(q - zero_point) * scale`` per group, as
+    ``quantized_decomposed.dequantize_per_channel_group``."""
+    return torch.ops.quantized_decomposed.dequantize_per_channel_group.default(
+        q, scale, zero_point, quant_min, quant_max, underlying_dtype(dtype), group_size, out_dtype)
+
+
+def nf4_scales(w: torch.Tensor, group_size: int, eps: float = DEFAULT_EPS) -> torch.Tensor:
+    """NF4's per-group absmax scales of the ``[N, K]`` weight ``w`` (float32 ``[N, K // g]``),
+    floored at ``eps`` so an all-zero group gets no zero scale."""
+    return _grouped(w.detach().float(), group_size).abs().amax(-1).clamp(min=eps)
+
+
+def quantize_nf4(w: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch.Tensor:
+    """NF4 codes (uint8 in ``[0, 15]``) of ``w``: per group, the index of the table value
+    nearest ``w / absmax`` (an exact tie goes to the lower value)."""
+    table = torch.tensor(NF4_VALUES, dtype=torch.float32, device=w.device)
+    x = _grouped(w.detach().float(), group_size) / scale.reshape(w.shape[0], -1, 1)
+    codes = torch.bucketize(x, (table[1:] + table[:-1]) / 2)
+    return codes.to(torch.uint8).reshape(w.shape)
+
+
+def dequantize_nf4(codes: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, group_size: int,
+                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``table[codes] * scale`` per group (a table look-up), cast to ``out_dtype``."""
+    n, k = codes.shape
+    values = table.float()[codes.long()].reshape(n, k // group_size, group_size)
+    return (values * scale.float().reshape(n, -1, 1)).reshape(n, k).to(out_dtype)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Pack 4-bit integers (int8 in ``[-8, 7]`` or uint8 in ``[0, 15]``), two per byte along the
+    last dimension (even), into uint8: element ``2i`` in the low nibble, ``2i + 1`` in the high one."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"int4 packing needs an even last dimension, got shape {tuple(q.shape)}")
+    nib = q.to(torch.int16) & 0xF  # two's complement nibble for negative values
+    return (nib[..., 0::2] | (nib[..., 1::2] << 4)).to(torch.uint8)
+
+
+def unpack_int4(packed: torch.Tensor, signed: bool) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: int8 in ``[-8, 7]`` (``signed``) or uint8 in ``[0, 15]``."""
+    p = packed.to(torch.int16)
+    nib = torch.stack([p & 0xF, (p >> 4) & 0xF], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    if signed:
+        return torch.where(nib >= 8, nib - 16, nib).to(torch.int8)
+    return nib.to(torch.uint8)

@@ -20,6 +20,7 @@ from ._prepare import (
     set_submodule,
 )
 from .._qmath import FLOAT8_DTYPES, is_per_channel, underlying_dtype
+from ._convert_groupwise import emit_groupwise, is_groupwise
 
 __all__ = [
     "convert", "convert_in_place", "emit_dynamic", "QPARAMS_META_KEY", "QUANTIZE_OPS", "DEQUANTIZE_OPS", "FOLDED_PREFIX",
@@ -198,6 +199,9 @@ class _Converter:
             self.records.append({"node": getattr(obs, "node_name", node.name),
                                  "kind": "dynamic-per-token" if _per_token(obs) else "dynamic",
                                  "dtype": str(underlying_dtype(obs.dtype)).replace("torch.", "")})
+        if is_groupwise(obs):  # weight-only int4/int8/NF4: one scale per group of input features
+            emit_groupwise(self, node, obs)
+            return
         if hasattr(obs, "convert") and not isinstance(obs, QuantkitObserver):
             # torchao's protocol: an observer that knows its own ops (torchao's affine and
             # group-wise observers) rewrites its node

@@ -1,0 +1,181 @@
+"""WeightOnlyQuantizer: int4 / int8 group-wise or NF4 weights, float activations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch.fx import GraphModule, Node
+from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, QuantizationSpec, Quantizer
+
+from quantkit.observers import GroupwiseWeightObserver
+from quantkit.pipeline._scopes import module_scopes, type_name
+
+__all__ = ["WeightOnlyQuantizer", "WeightOnlyConfig", "WEIGHT_ONLY_SCHEMES", "WEIGHT_ONLY_ALGORITHMS"]
+
+_ANNOTATION_KEY = "quantization_annotation"
+_LINEAR = {torch.ops.aten.linear.default}
+_EMBEDDING = {torch.ops.aten.embedding.default}
+
+WEIGHT_ONLY_SCHEMES = {"int4": 4, "nf4": 4, "int8": 8}  # scheme -> bits
+WEIGHT_ONLY_ALGORITHMS = ("rtn", "gptq", "awq")
+
+
+@dataclass(frozen=True)
+class WeightOnlyConfig:
+    """Weight-only settings of one part of the model (see :class:`WeightOnlyQuantizer`)."""
+
+    bits: int = 4
+    group_size: Optional[int] = 128
+    scheme: Optional[str] = None
+    symmetric: bool = False
+    algorithm: str = "rtn"
+    embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8) or isinstance(self.bits, bool):
+            raise ValueError(f"bits must be 4 or 8, got {self.bits!r}")
+        scheme = self.scheme if self.scheme is not None else {4: "int4", 8: "int8"}[self.bits]
+        if scheme not in WEIGHT_ONLY_SCHEMES:
+            raise ValueError(f"unknown weight-only scheme {self.scheme!r}; use one of {list(WEIGHT_ONLY_SCHEMES)}")
+        if WEIGHT_ONLY_SCHEMES[scheme] != self.bits:
+            raise ValueError(f"scheme {scheme!r} is {WEIGHT_ONLY_SCHEMES[scheme]}-bit, got bits={self.bits}; "
+                             "drop one of them")
+        object.__setattr__(self, "scheme", scheme)
+        gs = self.group_size
+        if gs is not None and (isinstance(gs, bool) or not isinstance(gs, int) or gs < 2):
+            raise ValueError(f"group_size must be an int >= 2 (or None for one group per output row), got {gs!r}")
+        if self.algorithm not in WEIGHT_ONLY_ALGORITHMS:
+            raise ValueError(f"unknown weight algorithm {self.algorithm!r}; use one of {list(WEIGHT_ONLY_ALGORITHMS)}")
+        if not isinstance(self.symmetric, bool) or not isinstance(self.embeddings, bool):
+            raise ValueError("symmetric and embeddings must be True or False")
+
+
+class WeightOnlyQuantizer(Quantizer):
+    """Low-bit weights, float activations: int4/int8 group-wise affine or symmetric, or NF4.
+
+    Annotates the weight of every ``linear`` (and, with ``embeddings=True``, every embedding
+    table) with a group-wise weight observer (``quantkit.observers.GroupwiseWeightObserver``);
+    activations stay float. ``quantkit.convert`` then stores the weights as integers (int4 packed
+    two per byte) behind ``quantized_decomposed.dequantize_per_channel_group`` (NF4: 4-bit codes,
+    the NF4 table and per-group absmax scales behind ``quantkit.dequantize_nf4``), and
+    ``quantkit.compile`` runs int4/int8 linears as CPU weight-only kernels.
+
+    Args:
+        bits: 4 or 8.
+        group_size: input features sharing one scale; it must divide every quantized layer's
+            input features. None: one group per output row (per channel).
+        scheme: ``"int4"``, ``"nf4"`` (4-bit) or ``"int8"``; default: ``"int4"`` for 4 bits,
+            ``"int8"`` for 8.
+        symmetric: symmetric integer qparams (zero point 0) instead of affine (NF4 is absmax).
+        algorithm: rounding: ``"rtn"`` (round to nearest), ``"gptq"`` or ``"awq"`` (recorded on the
+            observers as ``weight_algorithm`` for the rounding passes; round to nearest without them).
+        embeddings: also quantize embedding tables (groups along the embedding dimension).
+
+    Example:
+        >>> q = WeightOnlyQuantizer(bits=4, group_size=128).set_module_name("lm_head", None)
+    """
+
+    def __init__(self, bits: int = 4, group_size: Optional[int] = 128, scheme: Optional[str] = None,
+                 symmetric: bool = False, algorithm: str = "rtn", *, embeddings: bool = False) -> None:
+        super().__init__()
+        self.global_config: Optional[WeightOnlyConfig] = WeightOnlyConfig(
+            bits=bits, group_size=group_size, scheme=scheme, symmetric=symmetric, algorithm=algorithm,
+            embeddings=embeddings)
+        self.module_type_config: dict[str, Optional[WeightOnlyConfig]] = {}
+        self.module_name_config: dict[str, Optional[WeightOnlyConfig]] = {}
+
+    # --- configuration ------------------------------------------------------------------
+    @staticmethod
+    def _check(config) -> Optional[WeightOnlyConfig]:
+        if isinstance(config, WeightOnlyQuantizer):
+            return config.global_config
+        if config is not None and not isinstance(config, WeightOnlyConfig):
+            raise TypeError(f"expected a WeightOnlyConfig, a WeightOnlyQuantizer or None, got {type(config).__name__}")
+        return config
+
+    def set_global(self, config: Union[WeightOnlyConfig, "WeightOnlyQuantizer", None]) -> "WeightOnlyQuantizer":
+        """Settings for everything not matched by a module name or type; None keeps it float."""
+        self.global_config = self._check(config)
+        return self
+
+    def set_module_type(self, module_type: type, config) -> "WeightOnlyQuantizer":
+        """Settings for weights inside modules of ``module_type`` (a WeightOnlyConfig, another
+        WeightOnlyQuantizer's, or None to keep them float)."""
+        if not isinstance(module_type, type):
+            raise TypeError(f"module_type must be a class such as torch.nn.Linear, got {module_type!r}")
+        self.module_type_config[type_name(module_type)] = self._check(config)
+        return self
+
+    def set_module_name(self, module_name: str, config) -> "WeightOnlyQuantizer":
+        """Settings for weights inside the submodule ``module_name`` (and its children); None keeps them float."""
+        if not isinstance(module_name, str):
+            raise TypeError(f"module_name must be a string, got {type(module_name).__name__}")
+        self.module_name_config[module_name] = self._check(config)
+        return self
+
+    def config_for(self, node: Node) -> Optional[WeightOnlyConfig]:
+        """The settings that apply to ``node``: module name, then module type, then global."""
+        scopes = module_scopes(node)
+        best, best_len = None, -1
+        for name, cfg in self.module_name_config.items():
+            for fqn, _ in scopes:
+                if (fqn == name or fqn.startswith(name + ".")) and len(name) > best_len:
+                    best, best_len = cfg, len(name)
+        if best_len >= 0:
+            return best
+        for _, tname in reversed(scopes):
+            if tname in self.module_type_config:
+                return self.module_type_config[tname]
+        return self.global_config
+
+    # --- specs ------------------------------------------------------------------------
+    @staticmethod
+    def weight_spec(config: WeightOnlyConfig, in_features: int) -> QuantizationSpec:
+        """The spec of one ``[N, K]`` weight (``in_features`` = K resolves ``group_size=None``)."""
+        group_size = config.group_size or in_features
+        ctor = GroupwiseWeightObserver.with_args(
+            group_size=group_size, scheme=config.scheme, symmetric=config.symmetric,
+            weight_algorithm=config.algorithm)
+        obs = ctor()
+        return QuantizationSpec(
+            dtype=obs.dtype, quant_min=obs.quant_min, quant_max=obs.quant_max, qscheme=obs.qscheme,
+            ch_axis=0, is_dynamic=False, observer_or_fake_quant_ctr=ctor,
+        )
+
+    # --- annotation -------------------------------------------------------------------
+    def annotate(self, model: GraphModule) -> GraphModule:
+        for node in model.graph.nodes:
+            if node.op != "call_function" or _ANNOTATION_KEY in node.meta:
+                continue
+            if node.target in _LINEAR:
+                weight = node.args[1]
+            elif node.target in _EMBEDDING:
+                weight = node.args[0]
+            else:
+                continue
+            config = self.config_for(node)
+            if config is None or (node.target in _EMBEDDING and not config.embeddings):
+                continue
+            if not isinstance(weight, Node) or weight.op != "get_attr":
+                continue
+            val = weight.meta.get("val")
+            if not (isinstance(val, torch.Tensor) and val.is_floating_point() and val.dim() == 2):
+                continue
+            k = int(val.shape[1])
+            if config.group_size is not None and k % config.group_size:
+                raise ValueError(
+                    f"layer '{weight.target}' has {k} input features, not a multiple of group_size="
+                    f"{config.group_size}; choose a group size that divides it or keep the layer float "
+                    f"with set_module_name(..., None)"
+                )
+            node.meta[_ANNOTATION_KEY] = QuantizationAnnotation(
+                input_qspec_map={weight: self.weight_spec(config, k)}, _annotated=True)
+        return model
+
+    def validate(self, model: GraphModule) -> None:
+        pass
+
+    def transform_for_annotation(self, model: GraphModule) -> GraphModule:
+        return model
