@@ -10,6 +10,7 @@ from torch.fx import GraphModule
 
 from ._lower import Target, lower
 from ._onednn import exact_for_graph
+from ._weight_only import lower_weight_only
 
 __all__ = ["compile", "CPU_KERNELS", "LOWERING_META_KEY"]
 
@@ -85,6 +86,8 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", **torch_compil
         target = None
     gm = copy.deepcopy(converted)
     gm.meta[LOWERING_META_KEY] = lower(gm, target) if target is not None else {}
+    if cpu_kernels != "reference" or target is Target.TRITON:  # int4/int8 weight-only linears
+        gm.meta[LOWERING_META_KEY].update(lower_weight_only(gm, "cuda" if target is Target.TRITON else "cpu"))
     for p in gm.parameters():
         p.requires_grad_(False)  # inference graph: lets Inductor freeze (fold) the weights
     compiled = torch.compile(gm, **torch_compile_kwargs)

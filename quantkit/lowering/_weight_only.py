@@ -1,0 +1,185 @@
+"""Lowering of weight-only layers: ``linear(x, dequantize_per_channel_group(q_w))`` to weight-only GEMMs.
+
+CPU (torch 2.13 aten kernels):
+
+* int4, group size 32/64/128/256, ``N % 16 == 0`` → ``aten._weight_int4pack_mm_for_cpu`` on a weight
+  repacked by ``aten._convert_weight_to_int4pack_for_cpu``. Its dequantization is
+  ``(q_u4 - 8) * scale + zero`` with a float ``zero`` per group; ours is ``(q - zero_point) * scale``,
+  so ``zero = (8 - zero_point_u4) * scale`` (``q_u4``: the value shifted to [0, 15]).
+* int8, one group per output row (per channel), symmetric → ``aten._weight_int8pack_mm``.
+
+Both kernels run bf16 activations (measured on this machine's AVX-512 CPU: their fp32-activation
+paths are 10-100x slower than bf16, see BENCHMARKS.md), so a float32 model's activations are cast
+to bf16 at the GEMM and its output cast back: W4A16 numerics, ~50 dB against the float32 q/dq
+reference. Anything else (NF4, other group sizes or shapes, asymmetric int8) keeps its reference
+dequantize.
+
+CUDA: int4 and int8-in-[-8, 7] weights of any group size dividing K → ``quantkit.w4a16_linear``
+(Triton, ``kernels/_w4a16.py``), weights stay packed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+__all__ = ["lower_weight_only", "WeightOnlyMatch", "match_weight_only"]
+
+aten = torch.ops.aten
+_CPU_GROUPS = (32, 64, 128, 256)  # aten._weight_int4pack_mm_for_cpu accepts these group sizes only
+_COMPUTE_DTYPE = torch.bfloat16
+
+
+def _attr(gm: torch.nn.Module, target: str):
+    obj = gm
+    for atom in str(target).split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+@dataclass
+class WeightOnlyMatch:
+    """``linear(x, dequantize_per_channel_group(q, scale, zero_point, ...), bias)``."""
+
+    linear: Node
+    x: Node
+    bias: Optional[Node]
+    q: torch.Tensor          # [N, K] integers (unpacked), int8 or uint8
+    packed: Optional[torch.Tensor]  # the stored packed int4 weight, when it is one
+    signed: bool
+    scale: torch.Tensor      # [N, K // g] float32
+    zero_point: torch.Tensor  # [N, K // g]
+    quant_min: int
+    quant_max: int
+    group_size: int
+
+
+def match_weight_only(gm: GraphModule, node: Node) -> Optional[WeightOnlyMatch]:
+    """The weight-only pattern ``convert`` emits around ``node`` (an ``aten.linear``), or None."""
+    if node.op != "call_function" or node.target != aten.linear.default or len(node.args) < 2:
+        return None
+    dq = node.args[1]
+    if not (isinstance(dq, Node) and dq.target == torch.ops.quantized_decomposed.dequantize_per_channel_group.default
+            and len(dq.users) == 1):
+        return None
+    src, scale, zp, qmin, qmax, _dtype, group = dq.args[:7]
+    if not all(isinstance(a, Node) and a.op == "get_attr" for a in (scale, zp)):
+        return None
+    packed, signed = None, None
+    if isinstance(src, Node) and src.target == torch.ops.quantkit.unpack_int4.default and src.args[0].op == "get_attr":
+        packed, signed = _attr(gm, src.args[0].target), bool(src.args[1])
+        q = torch.ops.quantkit.unpack_int4(packed, signed)
+    elif isinstance(src, Node) and src.op == "get_attr":
+        q = _attr(gm, src.target)
+        signed = q.dtype == torch.int8
+    else:
+        return None
+    x = node.args[0]
+    if not (isinstance(x, Node) and isinstance(x.meta.get("val"), torch.Tensor)):
+        return None
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    return WeightOnlyMatch(node, x, bias, q, packed, signed, _attr(gm, scale.target).float(),
+                           _attr(gm, zp.target), int(qmin), int(qmax), int(group))
+
+
+def _new_attr(gm: GraphModule, base: str, value: torch.Tensor, before: Node) -> Node:
+    i = 0
+    while hasattr(gm, f"{base}{i}"):
+        i += 1
+    gm.register_buffer(f"{base}{i}", value)
+    with gm.graph.inserting_before(before):
+        return gm.graph.get_attr(f"{base}{i}")
+
+
+def _leading_sizes(graph, x: Node) -> list:
+    """``x.shape[:-1]`` as graph values: ints where static, ``sym_size`` nodes where not."""
+    val = x.meta.get("val")
+    sizes = []
+    for i, s in enumerate(val.shape[:-1]):
+        sizes.append(int(s) if isinstance(s, int) else graph.call_function(aten.sym_size.int, (x, i)))
+    return sizes
+
+
+def _emit_gemm(gm: GraphModule, m: WeightOnlyMatch, op, args: tuple, n: int) -> Node:
+    """``reshape(op(x_2d.to(bf16), *args).to(x.dtype), [*x.shape[:-1], N]) + bias``."""
+    graph = gm.graph
+    out_dtype = m.x.meta["val"].dtype
+    with graph.inserting_before(m.linear):
+        x2 = graph.call_function(aten.reshape.default, (m.x, [-1, int(m.q.shape[1])]))
+        if out_dtype != _COMPUTE_DTYPE:
+            x2 = graph.call_function(aten._to_copy.default, (x2,), {"dtype": _COMPUTE_DTYPE})
+        y = graph.call_function(op, (x2,) + args)
+        if out_dtype != _COMPUTE_DTYPE:
+            y = graph.call_function(aten._to_copy.default, (y,), {"dtype": out_dtype})
+        y = graph.call_function(aten.reshape.default, (y, _leading_sizes(graph, m.x) + [n]))
+        if m.bias is not None:
+            y = graph.call_function(aten.add.Tensor, (y, m.bias))
+    return y
+
+
+def _lower_cpu(gm: GraphModule, m: WeightOnlyMatch) -> Optional[Node]:
+    n, k = m.q.shape
+    four_bit = m.quant_max - m.quant_min == 15
+    if four_bit:
+        if m.group_size not in _CPU_GROUPS or n % 16 or k % m.group_size:
+            return None
+        shift = 8 if m.signed else 0  # to the kernel's unsigned [0, 15]
+        q_u4 = m.q.to(torch.int32) + shift
+        zp_u4 = m.zero_point.to(torch.float32) + shift
+        packed = aten._convert_weight_to_int4pack_for_cpu(q_u4.contiguous(), 1)
+        zero = (8 - zp_u4) * m.scale
+        sz = torch.stack([m.scale.t(), zero.t()], dim=-1).to(_COMPUTE_DTYPE).contiguous()  # [K // g, N, 2]
+        w = _new_attr(gm, "_qk_int4pack_", packed, m.linear)
+        qsz = _new_attr(gm, "_qk_int4_scale_zero_", sz, m.linear)
+        return _emit_gemm(gm, m, aten._weight_int4pack_mm_for_cpu.default, (w, m.group_size, qsz), n)
+    if m.group_size == k and m.signed and m.quant_min >= -128 and not bool(m.zero_point.any()):
+        w = _new_attr(gm, "_qk_int8pack_", m.q.contiguous(), m.linear)
+        s = _new_attr(gm, "_qk_int8pack_scale_", m.scale.reshape(n).to(_COMPUTE_DTYPE).contiguous(), m.linear)
+        return _emit_gemm(gm, m, aten._weight_int8pack_mm.default, (w, s), n)
+    return None
+
+
+def _lower_cuda(gm: GraphModule, m: WeightOnlyMatch) -> Optional[Node]:
+    if m.quant_max - m.quant_min != 15 or m.q.shape[1] % m.group_size:
+        return None
+    from quantkit.kernels import w4a16_linear  # noqa: F401  (registers quantkit::w4a16_linear)
+    from .._qmath import pack_int4
+
+    packed = m.packed if m.packed is not None else pack_int4(m.q)
+    graph = gm.graph
+    with graph.inserting_before(m.linear):
+        w = _new_attr(gm, "_qk_w4_", packed, m.linear)
+        s = _new_attr(gm, "_qk_w4_scale_", m.scale.contiguous(), m.linear)
+        z = _new_attr(gm, "_qk_w4_zero_point_", m.zero_point.to(torch.int8).contiguous(), m.linear)
+        return graph.call_function(torch.ops.quantkit.w4a16_linear.default,
+                                   (m.x, w, s, z, m.group_size, m.signed, m.bias))
+
+
+def lower_weight_only(gm: GraphModule, device_type: str = "cpu") -> dict[str, int]:
+    """Rewrite the weight-only linears of ``gm`` (a ``quantkit.convert`` result) in place for
+    ``device_type`` (``"cpu"`` or ``"cuda"``); return counts by kernel. Unmatched layers keep their
+    reference dequantize."""
+    counts = {"weight_only_int4": 0, "weight_only_int8": 0}
+    for node in list(gm.graph.nodes):
+        m = match_weight_only(gm, node)
+        if m is None:
+            continue
+        new = _lower_cuda(gm, m) if device_type == "cuda" else _lower_cpu(gm, m)
+        if new is None:
+            continue
+        new.meta.update({k: v for k, v in node.meta.items()})
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        counts["weight_only_int4" if m.quant_max - m.quant_min == 15 else "weight_only_int8"] += 1
+    if any(counts.values()):
+        gm.graph.eliminate_dead_code()
+        used = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+        for name, _ in list(gm.named_buffers()):
+            if "." not in name and name not in used and name.startswith(("_frozen_param", "_qk_")):
+                delattr(gm, name)  # the packed/unpacked originals the kernels no longer read
+        gm.graph.lint()
+        gm.recompile()
+    return counts
