@@ -1,0 +1,462 @@
+"""quantize_pretrained: quantize a Hugging Face checkpoint, block by block when it does not fit in memory.
+
+The sequential path never holds the float model:
+
+1. capture it without weights (``_meta_capture``) and prepare it with the quantizer, as
+   the in-memory path does (same graph, same observers);
+2. cut the prepared graph into head, layers and tail (``_partition``);
+3. for each block: load its weights from the safetensors checkpoint (only its tensors),
+   run it on every calibration batch's cached inputs (observers record ranges), quantize
+   its weights, write them to the partial directory, drop the float weights, and keep the
+   block's outputs as the next block's inputs (``_seq_state``);
+4. convert the whole prepared graph with the weights still absent (qparams come from the
+   calibrated observers), put the int8 weights in place of the quantize ops, and write the
+   artifact with the weights streamed from the partial directory (``export._streamed``).
+
+The result equals the in-memory path's (``quantkit.quantize`` on the loaded model): the
+observers see the same tensors in the same order, and weights are quantized with the
+qparams and ops ``convert`` uses.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from quantkit.observers import QuantkitObserver
+from quantkit.observers._tokens import token_mask
+
+from .._errors import QuantkitError
+from ._convert import (FOLDED_PREFIX, QUANTIZE_OPS, _SUPPORTED, _constant_value, _is_calibrated,
+                       _remove_unused_attributes, convert_in_place)
+from ._inputs import as_args_kwargs
+from ._meta_capture import CheckpointIndex, capture_without_weights, empty_model, index_checkpoint
+from ._partition import Block, partition, run_block
+from ._prepare import is_observer_node, prepare_in_place
+from ._seq_state import ActivationCache, PartialDir, digest_of
+from .._qmath import is_per_channel, underlying_dtype
+
+__all__ = ["quantize_pretrained", "parse_size", "fits_in_memory", "IN_MEMORY_FACTOR"]
+
+# the in-memory path holds the float weights and peaks at about 1.65x their size in total
+# (BENCHMARKS.md, "peak memory of quantize", BERT-base); 2x leaves room for activations
+IN_MEMORY_FACTOR = 2.0
+# environment hook for tests: SIGKILL the process right after block N is committed
+KILL_AFTER_ENV = "QUANTKIT_TEST_KILL_AFTER_BLOCK"
+
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(I?)B?\s*\Z", re.IGNORECASE)
+
+
+def parse_size(value) -> int:
+    """Bytes from ``4GiB``, ``512MB``, ``1.5G`` (K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti of
+    1024) or an integer number of bytes.
+
+    Raises:
+        ValueError: anything else, or a size that is not positive.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        m = _SIZE.match(str(value))
+        if not m:
+            raise ValueError(f"memory size {value!r} is not a size; write e.g. 4GiB, 512MB or a number of bytes")
+        number, unit, binary = float(m[1]), m[2].upper(), bool(m[3])
+        if binary and not unit:
+            raise ValueError(f"memory size {value!r} is not a size; write e.g. 4GiB, 512MB or a number of bytes")
+        power = " KMGT".index(unit) if unit else 0
+        size = int(number * (1024 if binary else 1000) ** power)
+    if size <= 0:
+        raise ValueError(f"memory size must be positive, got {value!r}")
+    return size
+
+
+def fits_in_memory(weight_bytes: int, budget: int | None) -> bool:
+    """Whether the in-memory path should fit ``budget`` bytes for a checkpoint of ``weight_bytes``."""
+    return budget is None or weight_bytes * IN_MEMORY_FACTOR <= budget
+
+
+def _batches(calib_data) -> list:
+    if isinstance(calib_data, (torch.Tensor, Mapping)) or not isinstance(calib_data, Iterable):
+        raise TypeError("calibration data must be an iterable of batches (e.g. a list of tensors, tuples or dicts); "
+                        f"got {type(calib_data).__name__}; wrap a single batch in a list")
+    batches = list(calib_data)
+    if not batches:
+        raise QuantkitError("calibration data is empty: pass at least one representative batch")
+    return batches
+
+
+def _recipe_of(quantizer) -> Any:
+    config = getattr(quantizer, "config", None)
+    if config is not None and hasattr(config, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        return {"class": type(quantizer).__name__, "config": {k: repr(v) for k, v in asdict(config).items()}}
+    return {"class": type(quantizer).__name__}
+
+
+def quantize_pretrained(model_dir: str | os.PathLike, calib_data: Iterable, quantizer=None, *,
+                        max_memory: int | str | None = None, out: str | os.PathLike | None = None,
+                        sequential: bool | None = None, resume: bool = False, overwrite: bool = False,
+                        task: str = "auto", progress: bool = True, recipe: dict | None = None):
+    """Quantize the Hugging Face checkpoint in ``model_dir``, block by block when it does not fit.
+
+    With ``max_memory`` smaller than the in-memory path needs (:data:`IN_MEMORY_FACTOR` times
+    the checkpoint's weights), or ``sequential=True``, the model is calibrated one repeated
+    unit (transformer layer) at a time with its weights read from the safetensors checkpoint,
+    and only that block's float weights are ever in memory. Otherwise it is loaded and
+    quantized with :func:`quantkit.quantize`. Both give the same model.
+
+    Args:
+        model_dir: an HF model directory (config.json and safetensors weights).
+        calib_data: an iterable of calibration batches (tokenizer outputs as dicts, tensors
+            or tuples); the first batch is the example the model is captured with.
+        quantizer: defaults to ``W8A8Quantizer()``.
+        max_memory: the memory budget (bytes, or a size such as ``"4GiB"``); also bounds the
+            activations cached in memory (a quarter of it; the rest spill to disk).
+        out: write the artifact (``model.pt2`` + ``quantization.json``) there, atomically;
+            the sequential path keeps its progress beside it (``.NAME.quantkit-partial``).
+        sequential: force (True) or forbid (False) the block-by-block path.
+        resume: continue an interrupted sequential run from its last completed block.
+        overwrite: replace ``out`` if it holds a quantkit artifact.
+        task: the model class (see ``quantkit quantize --task``).
+        progress: show a progress bar per block.
+        recipe: recorded as ``quantization.json``'s ``recipe``.
+
+    Returns:
+        ``Path(out)`` when ``out`` is given, else the converted model (with its int8 weights
+        in memory).
+
+    Raises:
+        QuantkitError: a checkpoint tensor is missing or mis-shaped (named; nothing is
+            written), or the model cannot be cut into blocks (one line each).
+
+    Example:
+        >>> quantkit.quantize_pretrained("llama-7b", batches, max_memory="4GiB", out="llama-int8")
+    """
+    from .._hf import check_hf_dir
+
+    model_dir = Path(model_dir)
+    check_hf_dir(model_dir)
+    budget = parse_size(max_memory) if max_memory is not None else None
+    batches = _batches(calib_data)
+    if quantizer is None:
+        from quantkit.quantizers import W8A8Quantizer
+
+        quantizer = W8A8Quantizer()
+    if out is not None:
+        from ..export._artifact import check_out_dir
+
+        check_out_dir(out, overwrite=overwrite)
+    if sequential is None:
+        sequential = not fits_in_memory(index_checkpoint(model_dir).total_bytes(), budget)
+    if not sequential:
+        return _in_memory(model_dir, batches, quantizer, out, overwrite, task, progress, recipe)
+    return _Run(model_dir, batches, quantizer, budget, out, resume, overwrite, task, progress, recipe).run()
+
+
+def _in_memory(model_dir, batches, quantizer, out, overwrite, task, progress, recipe):
+    from .._hf import load_hf_checkpoint
+    from ._api import quantize
+
+    model, _, _ = load_hf_checkpoint(model_dir, task=task, progress=progress)
+    qmodel = quantize(model, batches[0], batches, quantizer, progress=progress)
+    if out is None:
+        return qmodel
+    from ..export._artifact import RECIPE_FILE, atomic_dir, recipe_document, write_json, write_program, \
+        export_converted
+
+    program = export_converted(qmodel)
+    with atomic_dir(out, overwrite=overwrite) as tmp:
+        write_program(program, tmp)
+        write_json(tmp / RECIPE_FILE, recipe_document(qmodel, recipe=recipe, source={"model": str(model_dir)}))
+    return Path(out)
+
+
+def _checkpoint_sources(model: torch.nn.Module, index: CheckpointIndex) -> dict[str, str]:
+    """Checkpoint key of every parameter and persistent buffer of ``model`` (aliases of tied
+    parameters included).
+
+    Raises:
+        QuantkitError: a tensor the model needs is missing or has another shape; the
+            message names it.
+    """
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    persistent = set(model.state_dict())
+    tensors: dict[int, list[str]] = {}
+    shapes: dict[int, tuple] = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + \
+            [(n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in persistent]:
+        tensors.setdefault(id(t), []).append(name)
+        shapes[id(t)] = tuple(t.shape)
+    sources: dict[str, str] = {}
+    where = str(index.directory)
+    for key, names in tensors.items():
+        found = None
+        for name in names:
+            for cand in (name, f"{prefix}.{name}" if prefix else None,
+                         name[len(prefix) + 1:] if prefix and name.startswith(prefix + ".") else None):
+                if cand is not None and cand in index.entries:
+                    found = cand
+                    break
+            if found:
+                break
+        if found is None:
+            raise QuantkitError(f"the checkpoint in {where!r} has no tensor {names[0]!r}; "
+                                "fix the weights or config.json (nothing was written)")
+        shape = index.entries[found][1]
+        if shape != shapes[key]:
+            raise QuantkitError(f"tensor {found!r} in {where!r} has shape {list(shape)}, the model expects "
+                                f"{list(shapes[key])}; fix the weights or config.json (nothing was written)")
+        for name in names:
+            sources[name] = found
+    return sources
+
+
+def _set_attr(module: torch.nn.Module, target: str, value: torch.Tensor) -> None:
+    *path, attr = target.split(".")
+    owner = module.get_submodule(".".join(path)) if path else module
+    if attr in owner._parameters:
+        owner._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+    elif attr in owner._buffers:
+        owner._buffers[attr] = value
+    else:
+        setattr(owner, attr, value)
+
+
+def _get_attr(module: torch.nn.Module, target: str):
+    obj = module
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def _is_fake(t) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _folds(obs) -> bool:
+    """Whether convert folds ``obs``'s constant input into an integer tensor (its static branch)."""
+    dtype = underlying_dtype(getattr(obs, "dtype", torch.float32))
+    own_convert = hasattr(obs, "convert") and not isinstance(obs, QuantkitObserver)
+    return not own_convert and dtype in _SUPPORTED and not getattr(obs, "is_dynamic", False)
+
+
+def _quantized_weight(obs, const: torch.Tensor) -> torch.Tensor:
+    """The integer tensor convert folds for observer ``obs`` of the constant ``const`` (the same
+    qparams and quantize op as ``quantkit.convert``'s static branch)."""
+    ops = torch.ops.quantized_decomposed
+    dtype = underlying_dtype(obs.dtype)
+    scale, zp = obs.calculate_qparams()
+    if is_per_channel(obs.qscheme):
+        return ops.quantize_per_channel.default(const.detach(), scale.detach().clone(), zp.detach().clone(),
+                                                int(obs.ch_axis), obs.quant_min, obs.quant_max, dtype)
+    return ops.quantize_per_tensor.default(const.detach(), float(scale), int(zp), obs.quant_min, obs.quant_max, dtype)
+
+
+def _padding_mask(batch):
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or bool(mask.bool().all()):
+        return None
+    return mask
+
+
+class _Run:
+    def __init__(self, model_dir, batches, quantizer, budget, out, resume, overwrite, task, progress, recipe):
+        self.model_dir, self.batches, self.quantizer = model_dir, batches, quantizer
+        self.budget, self.out, self.resume, self.overwrite = budget, out, resume, overwrite
+        self.task, self.progress, self.recipe = task, progress, recipe
+
+    def run(self):
+        import tempfile
+
+        index = index_checkpoint(self.model_dir)
+        model = empty_model(self.model_dir, self.task)
+        self.sources = _checkpoint_sources(model, index)
+        self.index = index
+        gm = capture_without_weights(model, self.batches[0])
+        del model
+        prepared = prepare_in_place(gm, self.quantizer)
+        blocks = partition(prepared)
+        self.prepared, self.blocks = prepared, blocks
+        self.observers = {str(n.target): prepared.get_submodule(str(n.target)) for n in prepared.graph.nodes
+                          if is_observer_node(n, dict(prepared.named_modules()))}
+        fingerprint = {
+            "checkpoint": {name: [os.path.getsize(self.model_dir / name), os.path.getmtime(self.model_dir / name)]
+                           for name in sorted({f for f, _, _ in index.entries.values()})},
+            "recipe": _recipe_of(self.quantizer), "task": self.task,
+            "calibration": digest_of(self.batches),
+        }
+        tmp = None
+        if self.out is not None:
+            partial = PartialDir(PartialDir.beside(Path(self.out)), fingerprint, len(blocks))
+        else:
+            tmp = tempfile.TemporaryDirectory(prefix="quantkit-sequential-")
+            partial = PartialDir(Path(tmp.name) / "partial", fingerprint, len(blocks))
+        try:
+            done = partial.open(self.resume)
+            self._calibrate(partial, done)
+            result = self._finish(partial)
+        finally:
+            if tmp is not None:
+                tmp.cleanup()
+        partial.remove()
+        return result
+
+    def _calibrate(self, partial: PartialDir, done: int) -> None:
+        from tqdm.auto import tqdm
+
+        act_budget = None if self.budget is None else self.budget // 4
+        cache = ActivationCache(partial.path, act_budget)
+        later_inputs = [set().union(*(b.inputs for b in self.blocks[i + 1:])) for i in range(len(self.blocks))]
+        if done >= 0:
+            partial.restore_observers(done, self.observers)
+            cache.resume(done)
+        kill_after = os.environ.get(KILL_AFTER_ENV)
+        for block in self.blocks[done + 1:]:
+            self._load_weights(block)
+            bar = tqdm(total=len(self.batches), desc=f"block {block.index + 1}/{len(self.blocks)} ({block.name})",
+                       unit="batch", disable=not self.progress, leave=False)
+            cache.start(block.index)
+            try:
+                with torch.no_grad():
+                    for i, batch in enumerate(self.batches):
+                        values = self._head_values(batch) if block.index == 0 else cache.get(i)
+                        with token_mask(_padding_mask(batch)):
+                            produced = run_block(block, values)
+                        keep = {k: v for k, v in {**values, **produced}.items() if k in later_inputs[block.index]}
+                        if block.index < len(self.blocks) - 1:
+                            cache.put(block.index, i, keep)
+                        bar.update(1)
+            finally:
+                bar.close()
+            weights = self._quantize_weights(block)
+            used = {str(n.target) for n in block.module.graph.nodes if n.op == "call_module"}
+            partial.commit_block(block.index, weights, {k: v for k, v in self.observers.items() if k in used})
+            partial.mark_done(block.index)
+            cache.finish(block.index)
+            self._unload_weights(block)
+            if kill_after is not None and int(kill_after) == block.index:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def _head_values(self, batch) -> dict:
+        import torch.utils._pytree as pytree
+        from torch.export._tree_utils import reorder_kwargs
+
+        args, kwargs = as_args_kwargs(batch)
+        in_spec = self.prepared.graph._codegen.pytree_info.in_spec
+        leaves, _ = pytree.tree_flatten((args, reorder_kwargs(kwargs, in_spec)))
+        names = [n.name for n in self.prepared.graph.nodes if n.op == "placeholder"]
+        if len(leaves) != len(names):
+            raise QuantkitError(f"a calibration batch has {len(leaves)} inputs, the captured model takes "
+                                f"{len(names)}; give every batch the first batch's keys")
+        return dict(zip(names, leaves))
+
+    def _load_weights(self, block: Block) -> None:
+        """Read the block's checkpoint tensors (memory-mapped, closed again) into its module."""
+        from safetensors import safe_open
+
+        by_file: dict[str, list[str]] = {}
+        for target in block.attributes:
+            if target in self.sources:
+                by_file.setdefault(self.index.entries[self.sources[target]][0], []).append(target)
+        for file, targets in by_file.items():
+            with safe_open(str(self.model_dir / file), framework="pt") as f:
+                for target in targets:
+                    fake = _get_attr(self.prepared, target)
+                    t = f.get_tensor(self.sources[target])
+                    if t.dtype != fake.dtype:
+                        t = t.to(fake.dtype)
+                    _set_attr(block.module, target, t)
+
+    def _unload_weights(self, block: Block) -> None:
+        for target in block.attributes:
+            if target in self.sources:
+                _set_attr(block.module, target, _get_attr(self.prepared, target))
+
+    def _quantize_weights(self, block: Block) -> dict[str, torch.Tensor]:
+        """``q:<node>`` int8 weights of the block's folded observers and ``f:<attribute>`` for
+        the float tensors the quantized model keeps."""
+        gm = block.module
+        modules = dict(gm.named_modules())
+        memo: dict = {}
+        out: dict[str, torch.Tensor] = {}
+        folded_inputs = set()
+        for node in gm.graph.nodes:
+            if not is_observer_node(node, modules):
+                continue
+            obs = modules[str(node.target)]
+            const = _constant_value(gm, node.args[0], memo)
+            if not isinstance(const, torch.Tensor) or not _folds(obs):
+                continue
+            if _is_fake(const):
+                raise QuantkitError(f"weight of observer {getattr(obs, 'node_name', node.name)!r} was not loaded")
+            if not _is_calibrated(obs):
+                obs(const)
+            out[f"q:{block.origin[node.args[0].name].name}"] = _quantized_weight(obs, const)
+            folded_inputs.add(node.args[0])
+        for node in gm.graph.nodes:
+            if node.op != "get_attr" or str(node.target) not in self.sources:
+                continue
+            if all(u in folded_inputs or (is_observer_node(u, modules) and u.args[0] in folded_inputs)
+                   for u in node.users) and node.users:
+                continue
+            out[f"f:{node.target}"] = _get_attr(gm, str(node.target)).detach()
+        return out
+
+    def _finish(self, partial: PartialDir):
+        """Convert the prepared graph (weights still absent), fold the int8 weights, write or load."""
+        from safetensors import safe_open
+
+        stored: dict[str, tuple[Path, tuple, torch.dtype]] = {}
+        for block in self.blocks:
+            path = partial.block_file(block.index)
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    stored[key] = (path, tuple(sl.get_shape()), sl.get_dtype())
+        converted = convert_in_place(self.prepared, fold_quantize=False)
+        mode = next(t.fake_mode for t in list(converted.parameters()) + list(converted.buffers()) if _is_fake(t))
+        streamed: dict[str, tuple[Path, str]] = {}
+        graph = converted.graph
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target not in QUANTIZE_OPS or not node.args:
+                continue
+            key = f"q:{getattr(node.args[0], 'name', '')}"
+            if key not in stored:
+                continue
+            path, shape, _ = stored[key]
+            i = 0
+            while hasattr(converted, f"{FOLDED_PREFIX}{i}"):
+                i += 1
+            name = f"{FOLDED_PREFIX}{i}"
+            with mode:
+                converted.register_buffer(name, torch.empty(shape, dtype=node.args[-1]))
+            with graph.inserting_before(node):
+                attr = graph.get_attr(name)
+            node.replace_all_uses_with(attr)
+            graph.erase_node(node)
+            streamed[name] = (path, key)
+        graph.eliminate_dead_code()
+        _remove_unused_attributes(converted)
+        converted.recompile()
+        for name, t in list(converted.named_parameters()) + list(converted.named_buffers()):
+            if _is_fake(t) and name not in streamed:
+                if f"f:{name}" not in stored:
+                    raise QuantkitError(f"internal: no stored value for {name!r}")
+                streamed[name] = (stored[f"f:{name}"][0], f"f:{name}")
+        from ..export._streamed import load_streamed, write_streamed_artifact
+
+        if self.out is None:
+            return load_streamed(converted, streamed)
+        write_streamed_artifact(converted, streamed, self.out, overwrite=self.overwrite, recipe=self.recipe,
+                                source={"model": str(self.model_dir)})
+        return Path(self.out)

@@ -1,0 +1,196 @@
+"""Block-by-block quantization from safetensors (quantkit.quantize_pretrained, sequential path).
+
+References are the in-memory path on the same checkpoint: the model loaded with
+``from_pretrained`` and quantized with ``quantkit.quantize``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import quantkit
+from quantkit.pipeline import _sequential
+from quantkit.pipeline._sequential import quantize_pretrained, parse_size
+from quantkit.quantizers import QuantConfig, W8A8Quantizer
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(path):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    return path
+
+
+def _bert(path):
+    torch.manual_seed(1)
+    cfg = transformers.BertConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=64)
+    transformers.BertModel(cfg).eval().save_pretrained(path)
+    return path
+
+
+def _batches(kind: str, n: int = 3) -> list[dict]:
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for i in range(n):
+        ids = torch.randint(0, 96, (2, 8), generator=g)
+        mask = torch.ones(2, 8, dtype=torch.long)
+        mask[1, 5 + i % 2:] = 0  # padding: padding-aware observers leave these tokens out
+        batch = {"input_ids": ids, "attention_mask": mask}
+        if kind == "bert":
+            batch["token_type_ids"] = torch.zeros(2, 8, dtype=torch.long)
+        out.append(batch)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {"llama": _llama(root / "llama"), "bert": _bert(root / "bert")}
+
+
+def _in_memory(path, batches, quantizer):
+    model = transformers.AutoModelForCausalLM.from_pretrained(path) if "llama" in str(path) else \
+        transformers.AutoModel.from_pretrained(path)
+    return quantkit.quantize(model.eval(), batches[0], batches, quantizer, progress=False)
+
+
+def _assert_same_model(a: torch.nn.Module, b: torch.nn.Module, records_a, records_b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sorted(sa) == sorted(sb)
+    int8 = [k for k in sa if sa[k].dtype == torch.int8]
+    assert len(int8) >= 6, int8  # the linears' weights are folded to int8
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+    assert records_a == records_b  # every scale and zero point, weights and activations
+
+
+@pytest.mark.parametrize("kind", ["llama", "bert"])
+@pytest.mark.parametrize("observer", ["minmax", "mse"])
+def test_sequential_equals_in_memory(checkpoints, kind, observer, monkeypatch):
+    path = checkpoints[kind]
+    batches = _batches(kind)
+    quantizer = W8A8Quantizer(QuantConfig(act_observer=observer))
+    loaded: list[set] = []
+    real = _sequential._Run._load_weights
+
+    def spy(self, block):  # which checkpoint tensors each block reads
+        real(self, block)
+        loaded.append({self.sources[t] for t in block.attributes if t in self.sources})
+
+    monkeypatch.setattr(_sequential._Run, "_load_weights", spy)
+    seq = quantize_pretrained(path, batches, quantizer, sequential=True, progress=False)
+    ref = _in_memory(path, batches, quantizer)
+    _assert_same_model(seq, ref, seq.meta["quantkit_qparams"], ref.meta["quantkit_qparams"])
+    n_layers = 2
+    assert len(loaded) == n_layers + 2  # head, one block per layer, tail
+    unit = "model.layers." if kind == "llama" else "encoder.layer."
+    for i, keys in enumerate(loaded[1:-1]):  # a layer's block reads that layer's tensors only
+        assert keys and all(k.startswith(f"{unit}{i}.") for k in keys), keys
+    assert all(unit not in k for k in loaded[0] | loaded[-1])
+    # the q/dq model computes what the in-memory one does
+    assert torch.equal(_logits(seq, batches[0]), _logits(ref, batches[0]))
+
+
+def _logits(model, batch):
+    out = model(**batch)
+    return out["logits"] if "logits" in out else out["last_hidden_state"]
+
+
+_CHILD = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_sequential import _batches
+    from quantkit.pipeline._sequential import quantize_pretrained
+    quantize_pretrained({model!r}, _batches("llama"), out={out!r}, sequential=True, progress=False)
+""")
+
+
+def test_interrupted_run_resumes_to_the_same_artifact(checkpoints, tmp_path, monkeypatch):
+    path = checkpoints["llama"]
+    full = quantize_pretrained(path, _batches("llama"), out=tmp_path / "full", sequential=True, progress=False)
+    out = tmp_path / "resumed"
+    env = {**os.environ, _sequential.KILL_AFTER_ENV: "1"}  # SIGKILL once head and layer 0 are done
+    code = _CHILD.format(tests=os.path.dirname(__file__), model=str(path), out=str(out))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert not out.exists()
+    partial = _sequential.PartialDir.beside(out)
+    assert json.loads((partial / "state.json").read_text())["done"] == 1
+    ran: list[int] = []
+    real = _sequential._Run._load_weights
+    monkeypatch.setattr(_sequential._Run, "_load_weights", lambda self, b: (ran.append(b.index), real(self, b)))
+    quantize_pretrained(path, _batches("llama"), out=out, sequential=True, resume=True, progress=False)
+    assert ran == [2, 3]  # layer 1 and the tail: blocks 0 (head) and 1 (layer 0) were not run again
+    assert not partial.exists()
+    a, b = quantkit.load(full), quantkit.load(out)
+    _assert_same_model(a, b, json.loads((full / "quantization.json").read_text())["tensors"],
+                       json.loads((out / "quantization.json").read_text())["tensors"])
+    assert torch.equal(_logits(a, _batches("llama")[1]), _logits(b, _batches("llama")[1]))
+
+
+def _rewrite(src, dst, edit):
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(str(src / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("missing", "has no tensor 'model.layers.1.mlp.up_proj.weight'"),
+    ("shape", "tensor 'model.layers.1.mlp.up_proj.weight' in .* has shape \\[64, 31\\], the model expects \\[64, 32\\]"),
+])
+def test_damaged_checkpoint_fails_naming_the_tensor(checkpoints, tmp_path, damage, message):
+    key = "model.layers.1.mlp.up_proj.weight"
+
+    def edit(t):
+        if damage == "missing":
+            del t[key]
+        else:
+            t[key] = t[key][:, :31].contiguous()
+
+    path = _rewrite(checkpoints["llama"], tmp_path / "bad", edit)
+    out = tmp_path / "out"
+    with pytest.raises(quantkit.QuantkitError, match=message) as info:
+        quantize_pretrained(path, _batches("llama"), out=out, sequential=True, progress=False)
+    assert "\n" not in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]  # no output, no partial directory
+
+
+def test_max_memory_chooses_the_path(checkpoints, monkeypatch):
+    calls = []
+    monkeypatch.setattr(_sequential, "_in_memory", lambda *a, **k: calls.append("memory"))
+    monkeypatch.setattr(_sequential._Run, "run", lambda self: calls.append("sequential"))
+    path = checkpoints["llama"]
+    size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    quantize_pretrained(path, _batches("llama"), max_memory=int(size * 1.2), progress=False)
+    quantize_pretrained(path, _batches("llama"), max_memory=size * 3, progress=False)
+    quantize_pretrained(path, _batches("llama"), progress=False)
+    assert calls == ["sequential", "memory", "memory"]
+
+
+@pytest.mark.parametrize("text,expected", [("4GiB", 4 * 2**30), ("512MB", 512 * 10**6), ("1.5G", 1_500_000_000),
+                                           ("100", 100), ("2 MiB", 2 * 2**20), (4096, 4096)])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["4 GB RAM", "-1", "0", "GiB", "4i"])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ValueError, match="size"):
+        parse_size(bad)
