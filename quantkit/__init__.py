@@ -17,6 +17,7 @@ Accuracy tools: ``quantkit.debug.compare`` (per-layer numerics), ``quantkit.sens
 
 from . import _quiet  # noqa: F401  (first: imports torchao without its import-time log noise)
 from .pipeline._api import quantize
+from .pipeline._sequential import quantize_pretrained
 from .export._artifact import load, save
 from .pipeline._calibrate import calibrate
 from .pipeline._distributed import shard
@@ -40,6 +41,7 @@ __all__ = [
     "convert",
     "compile",
     "quantize",
+    "quantize_pretrained",
     "save",
     "load",
     "debug",
