@@ -39,11 +39,14 @@ class ActivationScheme(str, Enum):
     @property
     def qrange(self) -> tuple[int, int]:
         """``(quant_min, quant_max)`` of the stored integers."""
-        return {
-            ActivationScheme.AFFINE_UINT8: (0, 255),
-            ActivationScheme.SYMMETRIC_INT8: (-128, 127),
-            ActivationScheme.AFFINE_UINT7: (0, 127),
-        }[self]
+        return self.qrange_bits(8)
+
+    def qrange_bits(self, bits: int) -> tuple[int, int]:
+        """``(quant_min, quant_max)`` at ``bits`` bits (2..8) in the same storage dtype: affine
+        uint8 0..2^bits-1, symmetric int8 -2^(bits-1)..2^(bits-1)-1, affine uint7 one bit less."""
+        if self is ActivationScheme.SYMMETRIC_INT8:
+            return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+        return 0, 2 ** (bits - (1 if self is ActivationScheme.AFFINE_UINT7 else 0)) - 1
 
 
 class Granularity(str, Enum):
@@ -73,6 +76,14 @@ class QuantConfig:
             (e.g. a transformer's [CLS]/[SEP]) from costing every other token precision.
         ops: op families to quantize: any of ``"linear"``, ``"conv"``, ``"matmul"``
             (matmul/bmm, e.g. attention) and ``"add"`` (residual adds).
+        weight_bits, activation_bits: integer widths from 2 to 8 (default 8), stored in
+            int8/uint8 with a reduced ``quant_min``/``quant_max`` (e.g. weights at 4 bits:
+            -8..7; affine uint8 activations at 4 bits: 0..15; affine-uint7 keeps one bit less).
+        learnable_ranges: in quantization-aware training (``quantkit.prepare_qat``), learn the
+            scale and, for affine activations, the zero point (LSQ / LSQ+) instead of following
+            the observers.
+        qat: annotate with fake-quantize modules (``quantkit.observers.FakeQuantize``) instead of
+            observers, for torchao's ``prepare_qat_pt2e``; ``quantkit.prepare_qat`` needs no flag.
 
     Example:
         >>> QuantConfig(act_observer="moving_average_minmax", ops=frozenset({"linear"}))
@@ -84,6 +95,10 @@ class QuantConfig:
     dynamic: bool = False
     granularity: Granularity | str = Granularity.PER_TENSOR
     ops: frozenset = field(default_factory=lambda: frozenset({"linear", "conv", "matmul"}))
+    weight_bits: int = 8
+    activation_bits: int = 8
+    learnable_ranges: bool = False
+    qat: bool = False
 
     def __post_init__(self) -> None:
         act = self.activation
@@ -117,5 +132,15 @@ class QuantConfig:
         if unknown:
             raise ValueError(f"unknown op families {sorted(unknown)}; choose from {sorted(QUANTIZABLE_OPS)}")
         object.__setattr__(self, "ops", ops)
+        for name in ("weight_bits", "activation_bits"):
+            bits = getattr(self, name)
+            if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+                raise ValueError(f"{name} must be an integer from 2 to 8, got {bits!r}")
+        for name in ("learnable_ranges", "qat"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.learnable_ranges and self.dynamic:
+            raise ValueError("learnable_ranges needs static activations (dynamic ones get their range at run time); "
+                             "drop dynamic=True or learnable_ranges=True")
         get_observer(self.act_observer)  # raises ValueError naming the known observers
         get_observer(self.weight_observer)

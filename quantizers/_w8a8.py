@@ -17,6 +17,7 @@ from quantkit.pipeline._scopes import module_scopes, type_name
 from quantkit._qmath import is_per_channel
 from quantkit.observers import declared_qscheme
 from quantkit.observers import get as get_observer
+from quantkit.observers._fake_quant import FakeQuantize
 
 from ._config import Granularity, QuantConfig
 
@@ -128,11 +129,13 @@ class W8A8Quantizer(Quantizer):
         GEMM's reduction dimension (linear inputs, a matmul's left operand): elsewhere a
         scale per row would vary along K and could not be factored out of an int8 GEMM."""
         scheme = config.activation
-        lo, hi = scheme.qrange
+        lo, hi = scheme.qrange_bits(config.activation_bits)
         ctor = get_observer("placeholder" if config.dynamic else config.act_observer)
         per_token = per_token_ok and config.granularity is Granularity.PER_TOKEN
         if per_token:
             ctor = ctor.with_args(per_token=True)
+        if config.qat and not config.dynamic:
+            ctor = FakeQuantize.with_args(observer=ctor, learnable=config.learnable_ranges)
         return QuantizationSpec(
             dtype=scheme.dtype, quant_min=lo, quant_max=hi, qscheme=scheme.qscheme,
             is_dynamic=config.dynamic, observer_or_fake_quant_ctr=ctor,
@@ -148,8 +151,11 @@ class W8A8Quantizer(Quantizer):
         ctor = get_observer(config.weight_observer)
         # the observer declares its granularity (its default qscheme), whatever its class name
         per_channel = is_per_channel(declared_qscheme(ctor))
+        if config.qat:
+            ctor = FakeQuantize.with_args(observer=ctor, learnable=config.learnable_ranges, weight=True)
+        bits = config.weight_bits
         return QuantizationSpec(
-            dtype=torch.int8, quant_min=-128, quant_max=127,
+            dtype=torch.int8, quant_min=-(2 ** (bits - 1)), quant_max=2 ** (bits - 1) - 1,
             qscheme=torch.per_channel_symmetric if per_channel else torch.per_tensor_symmetric,
             ch_axis=ch_axis, is_dynamic=False, observer_or_fake_quant_ctr=ctor,
         )

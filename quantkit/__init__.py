@@ -26,6 +26,7 @@ from .lowering._compile import compile
 from .pipeline._convert import convert
 from ._errors import CalibrationError, CaptureError, ConvertError, QuantkitError
 from .pipeline._prepare import prepare
+from .pipeline._qat import prepare_qat
 from .accuracy._sensitivity import sensitivity
 from .accuracy._fallback import auto_fallback
 from .accuracy._smoothquant import smooth_quant
@@ -36,6 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "capture",
     "prepare",
+    "prepare_qat",
     "calibrate",
     "shard",
     "convert",

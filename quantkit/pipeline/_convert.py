@@ -20,6 +20,7 @@ from ._prepare import (
     set_submodule,
 )
 from .._qmath import FLOAT8_DTYPES, is_per_channel, underlying_dtype
+from ._qat import fold_simulated_bn, is_qat, refuse_training
 from ._convert_groupwise import emit_groupwise, is_groupwise
 
 __all__ = [
@@ -412,7 +413,8 @@ def _delete_unused_submodules(gm: GraphModule) -> None:
                 owner = gm.get_submodule(".".join(path)) if path else gm
             except AttributeError:  # its parent was deleted already
                 continue
-            delattr(owner, attr)
+            if attr in owner._modules:  # not yet deleted through another name of a shared module
+                delattr(owner, attr)
 
 
 def convert_in_place(prepared: GraphModule, *, fold_quantize: bool = True, _nested: bool = False) -> GraphModule:
@@ -422,6 +424,7 @@ def convert_in_place(prepared: GraphModule, *, fold_quantize: bool = True, _nest
     converted first, each as a graph of its own (as torchao's ``convert_pt2e``)."""
     if not _nested:
         _check_prepared(prepared)
+        fold_simulated_bn(prepared)  # QAT models: eval mode, batch norms folded for good
         _observe_weights_and_check(prepared)
     records: list[dict] = []
     for target in control_flow_subgraphs(prepared):
@@ -445,4 +448,4 @@ def convert_in_place(prepared: GraphModule, *, fold_quantize: bool = True, _nest
     converted.meta["quantkit_converted"] = True
     converted.meta.pop("_observed_graph_module_attrs", None)
     converted.meta[QPARAMS_META_KEY] = records + conv.records
-    return disallow_train_eval(converted)
+    return refuse_training(converted) if is_qat(converted) else disallow_train_eval(converted)

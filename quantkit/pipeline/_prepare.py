@@ -309,18 +309,27 @@ def _check_arguments(model, quantizer) -> None:
         raise TypeError(f"quantizer must implement the Quantizer protocol (annotate), got {type(quantizer).__name__}")
 
 
-def prepare_in_place(model: GraphModule, quantizer) -> GraphModule:
+def prepare_in_place(model: GraphModule, quantizer, *, qat=None) -> GraphModule:
     """:func:`prepare` without the copy: ``model`` itself is rewritten (its graph, and its
     folded conv weights replaced); for callers whose ``model`` is private (``quantize``).
     The subgraphs of ``scan`` (combine_fn) and ``while_loop`` (body_fn) are annotated and
-    observed the same way, each as a graph of its own."""
+    observed the same way, each as a graph of its own.
+
+    ``qat``: the hooks of :func:`quantkit.prepare_qat` (``quantkit.pipeline._qat``): batch norms
+    stay live (``after_annotation`` rewrites conv-BN pairs), observers become fake-quantize
+    modules (``fake_quantize``) and ``finish`` makes the result trainable."""
     _check_arguments(model, quantizer)
     meta = dict(model.meta)
-    fold_conv_bn(model)
+    if qat is None:
+        fold_conv_bn(model)
     model = quantizer.transform_for_annotation(model)
     quantizer.annotate(model)
     quantizer.validate(model)
+    if qat is not None:
+        qat.after_annotation(model)
     observers = observers_for_annotations(model)
+    if qat is not None:
+        observers = qat.fake_quantize(model, observers)
     callback = getattr(quantizer, "prepare_obs_or_fq_callback", None)
     if callback is not None:
         callback(model, observers)
@@ -330,8 +339,8 @@ def prepare_in_place(model: GraphModule, quantizer) -> GraphModule:
     mark_padding_aware(model)
     # the bodies of scan / while_loop are graphs of their own: prepared the same way, in place
     for target in control_flow_subgraphs(model):
-        set_submodule(model, target, prepare_in_place(model.get_submodule(target), quantizer))
+        set_submodule(model, target, prepare_in_place(model.get_submodule(target), quantizer, qat=qat))
     prepared = GraphModule(model, model.graph)
     prepared.meta.update(meta)
     prepared.meta["quantkit_prepared"] = True
-    return disallow_train_eval(prepared)
+    return disallow_train_eval(prepared) if qat is None else qat.finish(prepared)
