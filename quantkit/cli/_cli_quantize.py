@@ -18,6 +18,7 @@ from pathlib import Path
 from ..export import _artifact
 from . import _cli_data as datasets, _cli_inputs as inputs, _cli_report as report
 from .._errors import QuantkitError
+from ._cli_weight_only import WeightOnlyRecipe, check_weight_algorithm
 
 __all__ = ["Scheme", "Recipe", "run_quantize", "REPORT_JSON", "REPORT_MD", "TOKENIZER_DIR"]
 
@@ -32,6 +33,10 @@ class Scheme(str, Enum):
     W8A8 = "w8a8"  # static int8 weights (per channel) and uint8 activations (per tensor)
     W8A8_DYNAMIC = "w8a8-dynamic"  # int8 weights, activations quantized per batch at run time
     W8A8_PER_TOKEN = "w8a8-per-token"  # int8 weights, activations quantized per token at run time
+    # weight-only (float activations): quantizers.WeightOnlyQuantizer, see cli/_cli_weight_only.py
+    W4A16 = "w4a16"  # int4 weights, asymmetric, groups of 128 input features
+    W8A16 = "w8a16"  # int8 weights, symmetric, per output channel
+    NF4 = "nf4"  # NF4 codes with per-group absmax scales, groups of 64
 
     @property
     def dynamic(self) -> bool:
@@ -89,11 +94,18 @@ class Recipe:
     smoothquant: float | str | None = None
     accuracy_budget: float | None = None
     metric: str = "cosine"
+    weight_only: WeightOnlyRecipe | None = None  # --scheme w4a16 | w8a16 | nf4
+    weight_algorithm: str = "rtn"  # --algorithm for the W8A8 schemes (QuantConfig.weight_algorithm)
 
     @staticmethod
     def from_args(args) -> "Recipe":
         """Resolve ``--scheme`` against the explicit flags; conflicting combinations are usage errors."""
         dynamic, granularity = args.dynamic, args.granularity
+        weight_only = WeightOnlyRecipe.from_args(args)
+        if weight_only is not None:
+            return Recipe(observer=args.observer or "minmax", weight_observer=args.weight_observer,
+                          skip=tuple(args.skip or ()), smoothquant=args.smoothquant,
+                          accuracy_budget=args.accuracy_budget, metric=args.metric, weight_only=weight_only)
         if args.scheme is not None:
             scheme = Scheme(args.scheme)
             if dynamic and not scheme.dynamic:
@@ -117,7 +129,8 @@ class Recipe:
         return Recipe(activation=args.activation, dynamic=dynamic, granularity=granularity, ops=ops,
                       observer=args.observer or "minmax", weight_observer=args.weight_observer,
                       skip=tuple(args.skip or ()), smoothquant=args.smoothquant,
-                      accuracy_budget=args.accuracy_budget, metric=args.metric)
+                      accuracy_budget=args.accuracy_budget, metric=args.metric,
+                      weight_algorithm=getattr(args, "algorithm", None) or "rtn")
 
     def __post_init__(self) -> None:
         from quantkit.accuracy._metrics import resolve_metric
@@ -138,6 +151,7 @@ class Recipe:
             if unknown:
                 raise inputs.UsageError(f"unknown op families {unknown} for --ops; choose from "
                                         f"{', '.join(sorted(QUANTIZABLE_OPS))} (comma-separated)")
+        check_weight_algorithm(self.weight_algorithm, self.weight_only)
         try:
             self.config()
         except ValueError as exc:
@@ -155,11 +169,17 @@ class Recipe:
     @property
     def scheme(self) -> str | None:
         """The :class:`Scheme` shorthand this recipe's activation settings amount to, if any."""
+        if self.weight_only is not None:
+            return self.weight_only.scheme
         if not self.dynamic:
             return Scheme.W8A8.value
         return (Scheme.W8A8_PER_TOKEN if self.granularity == "per-token" else Scheme.W8A8_DYNAMIC).value
 
     def to_json(self) -> dict:
+        if self.weight_only is not None:
+            return {**self.weight_only.to_json(), "skip": list(self.skip), "smoothquant": self.smoothquant,
+                    "accuracy_budget": self.accuracy_budget,
+                    "metric": self.metric if self.accuracy_budget is not None else None}
         cfg = self.config()
         return {"scheme": self.scheme, "activation": cfg.activation.value, "dynamic": cfg.dynamic,
                 "granularity": cfg.granularity.value, "ops": sorted(cfg.ops),
@@ -173,6 +193,8 @@ class Recipe:
         from quantkit.quantizers import QuantConfig
 
         kw = {} if self.ops is None else {"ops": frozenset(self.ops)}
+        if self.weight_algorithm != "rtn":
+            kw["weight_algorithm"] = self.weight_algorithm  # checked in __post_init__ (weight_algorithm_kwargs)
         return QuantConfig(activation=self.activation, act_observer=self.observer,
                            weight_observer=self.weight_observer, dynamic=self.dynamic,
                            granularity=self.granularity, **kw)
@@ -183,6 +205,8 @@ class Recipe:
 
         from quantkit.quantizers import EmbeddingQuantizer, W8A8Quantizer
 
+        if self.weight_only is not None:
+            return self.weight_only.quantizer(self.skipped(module_names))
         w8a8 = W8A8Quantizer(self.config())
         embeddings = EmbeddingQuantizer()
         for name in self.skipped(module_names):

@@ -321,6 +321,10 @@ def render_table(rows: list[dict], columns: list[str]) -> str:
 
 def describe_recipe(r: dict) -> str:
     """One sentence naming a recipe's choices (report.md, inspect)."""
+    if r.get("weight_only"):
+        from ._cli_weight_only import describe_weight_only
+
+        return describe_weight_only(r)
     act = (f"dynamic {r.get('activation')} activations ({r.get('granularity')})" if r.get("dynamic")
            else f"static {r.get('activation')} activations (observer `{r.get('observer')}`)")
     return (f"scheme `{r.get('scheme')}`: int8 weights (observer `{r.get('weight_observer')}`), {act}, "

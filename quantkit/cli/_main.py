@@ -79,9 +79,16 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
     data.add_argument("--skip-nonfinite", action="store_true",
                       help="leave out samples holding NaN or inf (counted in the report) instead of failing")
     recipe = q.add_argument_group("recipe (the fields of quantkit.quantizers.QuantConfig)")
-    recipe.add_argument("--scheme", choices=["w8a8", "w8a8-dynamic", "w8a8-per-token"],
+    recipe.add_argument("--scheme", choices=["w8a8", "w8a8-dynamic", "w8a8-per-token", "w4a16", "w8a16", "nf4"],
                         help="shorthand: w8a8 (static, calibrated activations; the default), w8a8-dynamic "
-                             "(= --dynamic) or w8a8-per-token (= --dynamic --granularity per-token)")
+                             "(= --dynamic) or w8a8-per-token (= --dynamic --granularity per-token); weight-only, "
+                             "float activations: w4a16 (int4, asymmetric, groups of 128), w8a16 (int8 per channel) "
+                             "or nf4 (NF4, groups of 64)")
+    recipe.add_argument("--group-size", type=int, metavar="N",
+                        help="weight-only schemes: input features per scale (default 128 for w4a16, 64 for nf4, "
+                             "one per output channel for w8a16)")
+    recipe.add_argument("--algorithm", choices=["rtn", "gptq", "awq"],
+                        help="how weights are rounded: rtn (to nearest; default), gptq or awq (need calibration data)")
     recipe.add_argument("--activation", choices=["affine-uint8", "symmetric-int8", "affine-uint7"],
                         help="activation integers (default affine-uint8 static, symmetric-int8 dynamic); "
                              "affine-uint7 lets oneDNN run exactly on CPUs without VNNI")

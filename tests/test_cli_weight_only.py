@@ -1,0 +1,77 @@
+"""quantkit quantize --scheme w4a16 | w8a16 | nf4 --group-size N --algorithm NAME (weight-only recipes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import quantkit
+from quantkit.cli import main
+
+
+@pytest.fixture
+def mlp_inputs(tmp_path):
+    from safetensors.torch import save_file
+
+    from tests.cli_factories import mlp
+
+    torch.manual_seed(1)
+    weights = tmp_path / "mlp.safetensors"
+    save_file(mlp().state_dict(), str(weights))  # 64 -> 128 -> 128 -> 32 linears
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    torch.save(torch.randn(24, 64, generator=torch.Generator().manual_seed(0)), calib / "b.pt")
+    return weights, calib
+
+
+def _args(weights, calib, out, *extra):
+    return ["quantize", "tests.cli_factories:mlp", "--weights", str(weights), "--example-input", "8x64:float32",
+            "--calib", str(calib), "--out", str(out), "--quiet", *extra]
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--scheme", "w4a16", "--group-size", "32"],
+     dict(scheme="w4a16", bits=4, weights="int4", group_size=32, symmetric=False, algorithm="rtn")),
+    (["--scheme", "nf4"], dict(scheme="nf4", bits=4, weights="nf4", group_size=64, algorithm="rtn")),
+    (["--scheme", "w8a16"], dict(scheme="w8a16", bits=8, weights="int8", group_size=None, symmetric=True)),
+])
+def test_weight_only_schemes_are_recorded(mlp_inputs, tmp_path, extra, expected):
+    weights, calib = mlp_inputs
+    out = tmp_path / "out"
+    assert main(_args(weights, calib, out, *extra)) == 0
+    recipe = json.loads((out / "quantization.json").read_text())["recipe"]
+    report = json.loads((out / "report.json").read_text())
+    for key, value in expected.items():
+        assert recipe[key] == value, (key, recipe)
+        assert report["recipe"][key] == value, (key, report["recipe"])
+    assert recipe["weight_only"] is True and recipe["activation"] is None
+    assert report["metric"]["mean_cosine"] > 0.99, report["metric"]
+    tensors = json.loads((out / "quantization.json").read_text())["tensors"]
+    assert len(tensors) == 3 and all(t["qscheme"] == "per_channel_group" for t in tensors)
+    assert "weights (" in (out / "report.md").read_text()  # the recipe sentence names the weight-only scheme
+    qmodel = quantkit.load(out)
+    dq = torch.ops.quantized_decomposed.dequantize_per_channel_group.default
+    nf4 = torch.ops.quantkit.dequantize_nf4.default
+    assert sum(n.target in (dq, nf4) for n in qmodel.graph.nodes) == 3
+
+
+@pytest.mark.parametrize("extra,code,message", [
+    (["--group-size", "32"], 2, "--group-size applies to the weight-only schemes"),
+    (["--scheme", "w4a16", "--dynamic"], 2, "--dynamic has no effect with --scheme w4a16"),
+    (["--scheme", "nf4", "--activation", "symmetric-int8"], 2, "--activation has no effect with --scheme nf4"),
+    (["--scheme", "w4a16", "--group-size", "1"], 2, "--group-size must be at least 2, got 1"),
+    (["--scheme", "w4a16", "--algorithm", "bogus"], 2, "invalid choice: 'bogus'"),
+    (["--scheme", "w4a16", "--group-size", "48"], 1, "has 64 input features, not a multiple of group_size=48"),
+])
+def test_weight_only_usage_errors(mlp_inputs, tmp_path, capsys, extra, code, message):
+    weights, calib = mlp_inputs
+    out = tmp_path / "out"
+    capsys.readouterr()
+    rc = main(_args(weights, calib, out, *extra))
+    err = capsys.readouterr().err
+    assert rc == code, err
+    assert message in err, err
+    assert not out.exists()
+
