@@ -76,9 +76,16 @@ def _assert_same_model(a: torch.nn.Module, b: torch.nn.Module, records_a, record
     assert records_a == records_b  # every scale and zero point, weights and activations
 
 
-@pytest.mark.parametrize("kind", ["llama", "bert"])
-@pytest.mark.parametrize("observer", ["minmax", "mse"])
-def test_sequential_equals_in_memory(checkpoints, kind, observer, monkeypatch):
+@pytest.fixture(scope="module")
+def llama_artifact(checkpoints, tmp_path_factory):
+    """The sequential path's artifact of the tiny Llama (default W8A8: min-max observers)."""
+    out = tmp_path_factory.mktemp("artifact") / "llama-int8"
+    return quantize_pretrained(checkpoints["llama"], _batches("llama"), out=out, sequential=True, progress=False)
+
+
+# min-max observers for weights in every case; activations: min-max, or the MSE histogram search
+@pytest.mark.parametrize("kind,observer", [("llama", "minmax"), ("llama", "mse"), ("bert", "mse")])
+def test_sequential_equals_in_memory(checkpoints, kind, observer, monkeypatch, request):
     path = checkpoints[kind]
     batches = _batches(kind)
     quantizer = W8A8Quantizer(QuantConfig(act_observer=observer))
@@ -101,6 +108,12 @@ def test_sequential_equals_in_memory(checkpoints, kind, observer, monkeypatch):
     assert all(unit not in k for k in loaded[0] | loaded[-1])
     # the q/dq model computes what the in-memory one does
     assert torch.equal(_logits(seq, batches[0]), _logits(ref, batches[0]))
+    if (kind, observer) == ("llama", "minmax"):  # the streamed artifact holds the same tensors
+        loaded = quantkit.load(request.getfixturevalue("llama_artifact"))
+        state = {k.removeprefix("model."): v for k, v in loaded.state_dict().items()}
+        assert sorted(state) == sorted(ref.state_dict())
+        assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
+        assert torch.equal(_logits(loaded, batches[1]), _logits(ref, batches[1]))
 
 
 def _logits(model, batch):
@@ -117,9 +130,8 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def test_interrupted_run_resumes_to_the_same_artifact(checkpoints, tmp_path, monkeypatch):
-    path = checkpoints["llama"]
-    full = quantize_pretrained(path, _batches("llama"), out=tmp_path / "full", sequential=True, progress=False)
+def test_interrupted_run_resumes_to_the_same_artifact(checkpoints, llama_artifact, tmp_path, monkeypatch):
+    path, full = checkpoints["llama"], llama_artifact
     out = tmp_path / "resumed"
     env = {**os.environ, _sequential.KILL_AFTER_ENV: "1"}  # SIGKILL once head and layer 0 are done
     code = _CHILD.format(tests=os.path.dirname(__file__), model=str(path), out=str(out))
@@ -194,3 +206,29 @@ def test_parse_size(text, expected):
 def test_parse_size_rejects(bad):
     with pytest.raises(ValueError, match="size"):
         parse_size(bad)
+
+
+def test_cli_max_memory_quantizes_block_by_block(checkpoints, tmp_path, capsys):
+    from quantkit.cli import main
+
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    g = torch.Generator().manual_seed(3)
+    for i in range(4):  # token ids of sequences of different lengths: padded and masked per batch
+        torch.save(torch.randint(0, 96, (5 + i,), generator=g), calib / f"s{i}.pt")
+    out = tmp_path / "out"
+    args = ["quantize", str(checkpoints["llama"]), "--calib", str(calib), "--out", str(out), "--batch-size", "2"]
+    assert main(args + ["--max-memory", "lots"]) == 2
+    assert "--max-memory" in capsys.readouterr().err
+    assert main(args + ["--max-memory", "100KiB", "--quiet"]) == 0  # the checkpoint is ~200 KB
+    doc = json.loads((out / "quantization.json").read_text())
+    assert doc["source"]["sequential"] is True and doc["source"]["max_memory"] == "100KiB"
+    qmodel = quantkit.load(out)
+    ids = torch.randint(0, 96, (2, 7), generator=g)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    got = qmodel(input_ids=ids, attention_mask=mask)["logits"]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(checkpoints["llama"]).eval()(
+        input_ids=ids, attention_mask=mask).logits
+    sqnr = 10 * torch.log10(ref.pow(2).mean() / (got - ref).pow(2).mean())
+    assert sqnr > 25, f"int8 vs float logits SQNR {sqnr:.1f} dB"
+    assert not _sequential.PartialDir.beside(out).exists()

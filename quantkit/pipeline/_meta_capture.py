@@ -99,7 +99,7 @@ def _fake_inputs(mode, value: Any):
     return value
 
 
-def capture_without_weights(model: torch.nn.Module, example_inputs: Any) -> torch.fx.GraphModule:
+def capture_without_weights(model: torch.nn.Module, example_inputs: Any, *, dynamic_shapes=None) -> torch.fx.GraphModule:
     """:func:`quantkit.capture` of a model from :func:`empty_model`, with no weight data.
 
     The parameters become fake tensors (so the returned graph's parameter attributes hold no
@@ -113,7 +113,8 @@ def capture_without_weights(model: torch.nn.Module, example_inputs: Any) -> torc
     from ._inputs import as_args_kwargs
 
     args, kwargs = as_args_kwargs(example_inputs)
-    gm = capture(model, _fake_inputs(mode, kwargs) if kwargs else _fake_inputs(mode, args))
+    gm = capture(model, _fake_inputs(mode, kwargs) if kwargs else _fake_inputs(mode, args),
+                 dynamic_shapes=dynamic_shapes)
     record = gm.meta[CAPTURE_META_KEY]
     record["args"], record["kwargs"] = args, kwargs
     for name, t in list(gm.named_buffers()):

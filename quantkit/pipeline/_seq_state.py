@@ -68,7 +68,7 @@ class PartialDir:
 
     def __init__(self, path: Path, fingerprint: dict, n_blocks: int) -> None:
         self.path = Path(path)
-        self.fingerprint = fingerprint
+        self.fingerprint = json.loads(json.dumps(fingerprint, default=str))  # as state.json will hold it
         self.n_blocks = n_blocks
 
     @staticmethod

@@ -104,7 +104,8 @@ def _recipe_of(quantizer) -> Any:
 def quantize_pretrained(model_dir: str | os.PathLike, calib_data: Iterable, quantizer=None, *,
                         max_memory: int | str | None = None, out: str | os.PathLike | None = None,
                         sequential: bool | None = None, resume: bool = False, overwrite: bool = False,
-                        task: str = "auto", progress: bool = True, recipe: dict | None = None):
+                        task: str = "auto", progress: bool = True, recipe: dict | None = None,
+                        dynamic_shapes=None, source: dict | None = None):
     """Quantize the Hugging Face checkpoint in ``model_dir``, block by block when it does not fit.
 
     With ``max_memory`` smaller than the in-memory path needs (:data:`IN_MEMORY_FACTOR` times
@@ -127,7 +128,11 @@ def quantize_pretrained(model_dir: str | os.PathLike, calib_data: Iterable, quan
         overwrite: replace ``out`` if it holds a quantkit artifact.
         task: the model class (see ``quantkit quantize --task``).
         progress: show a progress bar per block.
-        recipe: recorded as ``quantization.json``'s ``recipe``.
+        recipe: recorded as ``quantization.json``'s ``recipe`` (and part of what ``resume``
+            checks the partial run against).
+        source: recorded as ``quantization.json``'s ``source`` (default: the model directory).
+        dynamic_shapes: passed to :func:`quantkit.capture`. By default the batch dimension
+            is dynamic, and for token batches whose lengths differ the sequence one too.
 
     Returns:
         ``Path(out)`` when ``out`` is given, else the converted model (with its int8 weights
@@ -154,19 +159,36 @@ def quantize_pretrained(model_dir: str | os.PathLike, calib_data: Iterable, quan
         from ..export._artifact import check_out_dir
 
         check_out_dir(out, overwrite=overwrite)
+    if dynamic_shapes is None:
+        dynamic_shapes = _default_dynamic_shapes(batches)
     if sequential is None:
-        sequential = not fits_in_memory(index_checkpoint(model_dir).total_bytes(), budget)
+        sequential = resume or not fits_in_memory(index_checkpoint(model_dir).total_bytes(), budget)
     if not sequential:
-        return _in_memory(model_dir, batches, quantizer, out, overwrite, task, progress, recipe)
-    return _Run(model_dir, batches, quantizer, budget, out, resume, overwrite, task, progress, recipe).run()
+        return _in_memory(model_dir, batches, quantizer, out, overwrite, task, progress, recipe, dynamic_shapes,
+                          source)
+    return _Run(model_dir, batches, quantizer, budget, out, resume, overwrite, task, progress, recipe,
+                dynamic_shapes, source).run()
 
 
-def _in_memory(model_dir, batches, quantizer, out, overwrite, task, progress, recipe):
+def _default_dynamic_shapes(batches: list):
+    """None (capture's default: dynamic batch), or batch and sequence dynamic for dict token
+    batches (``attention_mask`` ``[batch, tokens]``) of different lengths."""
+    masks = [b.get("attention_mask") for b in batches if isinstance(b, Mapping)]
+    if len(masks) != len(batches) or not all(isinstance(m, torch.Tensor) and m.dim() == 2 for m in masks):
+        return None
+    if len({m.shape[1] for m in masks}) == 1:
+        return None
+    from .._hf import dynamic_shapes
+
+    return dynamic_shapes(batches[0])
+
+
+def _in_memory(model_dir, batches, quantizer, out, overwrite, task, progress, recipe, dynamic_shapes, source):
     from .._hf import load_hf_checkpoint
     from ._api import quantize
 
     model, _, _ = load_hf_checkpoint(model_dir, task=task, progress=progress)
-    qmodel = quantize(model, batches[0], batches, quantizer, progress=progress)
+    qmodel = quantize(model, batches[0], batches, quantizer, progress=progress, dynamic_shapes=dynamic_shapes)
     if out is None:
         return qmodel
     from ..export._artifact import RECIPE_FILE, atomic_dir, recipe_document, write_json, write_program, \
@@ -175,7 +197,8 @@ def _in_memory(model_dir, batches, quantizer, out, overwrite, task, progress, re
     program = export_converted(qmodel)
     with atomic_dir(out, overwrite=overwrite) as tmp:
         write_program(program, tmp)
-        write_json(tmp / RECIPE_FILE, recipe_document(qmodel, recipe=recipe, source={"model": str(model_dir)}))
+        write_json(tmp / RECIPE_FILE, recipe_document(qmodel, recipe=recipe,
+                                                                  source=source or {"model": str(model_dir)}))
     return Path(out)
 
 
@@ -270,8 +293,10 @@ def _padding_mask(batch):
 
 
 class _Run:
-    def __init__(self, model_dir, batches, quantizer, budget, out, resume, overwrite, task, progress, recipe):
+    def __init__(self, model_dir, batches, quantizer, budget, out, resume, overwrite, task, progress, recipe,
+                 dynamic_shapes, source):
         self.model_dir, self.batches, self.quantizer = model_dir, batches, quantizer
+        self.dynamic_shapes, self.source = dynamic_shapes, source
         self.budget, self.out, self.resume, self.overwrite = budget, out, resume, overwrite
         self.task, self.progress, self.recipe = task, progress, recipe
 
@@ -282,7 +307,7 @@ class _Run:
         model = empty_model(self.model_dir, self.task)
         self.sources = _checkpoint_sources(model, index)
         self.index = index
-        gm = capture_without_weights(model, self.batches[0])
+        gm = capture_without_weights(model, self.batches[0], dynamic_shapes=self.dynamic_shapes)
         del model
         prepared = prepare_in_place(gm, self.quantizer)
         blocks = partition(prepared)
@@ -292,7 +317,7 @@ class _Run:
         fingerprint = {
             "checkpoint": {name: [os.path.getsize(self.model_dir / name), os.path.getmtime(self.model_dir / name)]
                            for name in sorted({f for f, _, _ in index.entries.values()})},
-            "recipe": _recipe_of(self.quantizer), "task": self.task,
+            "recipe": self.recipe or _recipe_of(self.quantizer), "task": self.task,
             "calibration": digest_of(self.batches),
         }
         tmp = None
@@ -458,5 +483,5 @@ class _Run:
         if self.out is None:
             return load_streamed(converted, streamed)
         write_streamed_artifact(converted, streamed, self.out, overwrite=self.overwrite, recipe=self.recipe,
-                                source={"model": str(self.model_dir)})
+                                source=self.source or {"model": str(self.model_dir)})
         return Path(self.out)
