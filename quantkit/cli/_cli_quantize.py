@@ -293,6 +293,10 @@ def _batches(samples, origins, indices, loaded, *, what, seq_len, batch_size, de
 def run_quantize(args, say) -> int:
     recipe = Recipe.from_args(args)
     spec, data, out, device = _check(args, recipe)
+    from . import _cli_sequential  # --max-memory the model does not fit, --sequential, --resume
+
+    if _cli_sequential.wanted(args, spec):
+        return _cli_sequential.run_sequential(args, recipe, spec, data, out, say)
     progress = not args.quiet
     clock = _Clock()
 

@@ -115,6 +115,13 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
                           "(measured on the calibration samples), e.g. 0.002")
     acc.add_argument("--metric", default="cosine", metavar="NAME",
                      help="metric for --accuracy-budget: cosine (default), kl, top1, or module:function")
+    mem = q.add_argument_group("memory (models larger than memory)")
+    mem.add_argument("--max-memory", metavar="SIZE",
+                     help="memory budget, e.g. 4GiB: a checkpoint the in-memory path would not fit is quantized "
+                          "block by block (one layer's weights at a time, streamed from safetensors)")
+    mem.add_argument("--sequential", action="store_true", help="quantize block by block whatever the model's size")
+    mem.add_argument("--resume", action="store_true",
+                     help="continue an interrupted block-by-block run from its last completed block")
     q.add_argument("--force", action="store_true", help="replace DIR if it holds a quantkit artifact")
     q.add_argument("--quiet", action="store_true", help="no progress bars or summary")
 
