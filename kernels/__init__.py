@@ -8,5 +8,6 @@ variant for attention) and ``quantize_per_token`` (fused dynamic quantization).
 
 from ._int8_gemm import ACTIVATIONS, OUT_DTYPES, int8_bmm, int8_linear
 from ._quant import DECOMPOSED, quantize_per_token
+from ._w4a16 import w4a16_linear
 
-__all__ = ["int8_linear", "int8_bmm", "quantize_per_token", "DECOMPOSED", "ACTIVATIONS", "OUT_DTYPES"]
+__all__ = ["int8_linear", "w4a16_linear", "int8_bmm", "quantize_per_token", "DECOMPOSED", "ACTIVATIONS", "OUT_DTYPES"]

@@ -83,3 +83,13 @@ def test_quantkit_compile_lowers_int4():
     counts = fast._orig_mod.meta["quantkit_lowering"]
     assert counts["weight_only_int4"] == 2
     assert _sqnr_db(ref(x), out) >= 40
+
+
+def test_cuda_lowering_rewrites_to_w4a16_op():
+    # the rewrite itself is device independent: the op's CPU implementation runs the rewritten graph here
+    x = torch.randn(2, 3, 256)
+    ref = _converted(WeightOnlyQuantizer(bits=4, group_size=64, symmetric=True), x)
+    gm = copy.deepcopy(ref)
+    assert lower_weight_only(gm, "cuda")["weight_only_int4"] == 2
+    assert _count(gm, torch.ops.quantkit.w4a16_linear.default) == 2 and _count(gm, aten.linear.default) == 0
+    assert _sqnr_db(ref(x), gm(x)) >= 80  # same dequantized weights, fp32 matmul on CPU
