@@ -82,6 +82,9 @@ class QuantConfig:
         learnable_ranges: in quantization-aware training (``quantkit.prepare_qat``), learn the
             scale and, for affine activations, the zero point (LSQ / LSQ+) instead of following
             the observers.
+        weight_algorithm: how weights are rounded: ``"rtn"`` (to nearest, default), ``"gptq"``
+            (Frantar et al. 2022) or ``"awq"`` (Lin et al. 2023), run by ``quantkit.calibrate``
+            (which then needs a re-iterable list of batches; see ``quantkit.accuracy._rounding``).
         qat: annotate with fake-quantize modules (``quantkit.observers.FakeQuantize``) instead of
             observers, for torchao's ``prepare_qat_pt2e``; ``quantkit.prepare_qat`` needs no flag.
 
@@ -99,6 +102,7 @@ class QuantConfig:
     activation_bits: int = 8
     learnable_ranges: bool = False
     qat: bool = False
+    weight_algorithm: str = "rtn"
 
     def __post_init__(self) -> None:
         act = self.activation
@@ -142,5 +146,7 @@ class QuantConfig:
         if self.learnable_ranges and self.dynamic:
             raise ValueError("learnable_ranges needs static activations (dynamic ones get their range at run time); "
                              "drop dynamic=True or learnable_ranges=True")
+        if self.weight_algorithm not in ("rtn", "gptq", "awq"):
+            raise ValueError(f"unknown weight_algorithm {self.weight_algorithm!r}; use 'rtn', 'gptq' or 'awq'")
         get_observer(self.act_observer)  # raises ValueError naming the known observers
         get_observer(self.weight_observer)

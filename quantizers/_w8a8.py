@@ -17,6 +17,7 @@ from quantkit.pipeline._scopes import module_scopes, type_name
 from quantkit._qmath import is_per_channel
 from quantkit.observers import declared_qscheme
 from quantkit.observers import get as get_observer
+from quantkit.observers._declared import declaring
 from quantkit.observers._fake_quant import FakeQuantize
 
 from ._config import Granularity, QuantConfig
@@ -153,6 +154,8 @@ class W8A8Quantizer(Quantizer):
         per_channel = is_per_channel(declared_qscheme(ctor))
         if config.qat:
             ctor = FakeQuantize.with_args(observer=ctor, learnable=config.learnable_ranges, weight=True)
+        elif config.weight_algorithm != "rtn":  # rounded by GPTQ/AWQ in quantkit.calibrate
+            ctor = declaring(ctor, weight_algorithm=config.weight_algorithm)
         bits = config.weight_bits
         return QuantizationSpec(
             dtype=torch.int8, quant_min=-(2 ** (bits - 1)), quant_max=2 ** (bits - 1) - 1,
