@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 from ..export import _artifact
-from . import _cli_data as datasets, _cli_inputs as inputs, _cli_report as report
+from . import _cli_data as datasets, _cli_inputs as inputs, _cli_report as report, _distributed as torchrun
 from .._errors import QuantkitError
 from ._cli_weight_only import WeightOnlyRecipe, check_weight_algorithm
 
@@ -297,6 +297,7 @@ def run_quantize(args, say) -> int:
 
     if _cli_sequential.wanted(args, spec):
         return _cli_sequential.run_sequential(args, recipe, spec, data, out, say)
+    device = torchrun.rank_device(device)
     progress = not args.quiet
     clock = _Clock()
 
@@ -346,10 +347,12 @@ def run_quantize(args, say) -> int:
                                 "raise the budget or quantize without it")
     else:
         prepared = quantkit.prepare(gm, quantizer)
-        quantkit.calibrate(prepared, calib, progress=progress)
+        quantkit.calibrate(prepared, torchrun.shard_batches(calib), progress=progress)  # synced under torchrun
         t = clock.lap("calibrate", t)
         qmodel = quantkit.convert(prepared)
         t = clock.lap("convert", t)
+    if not torchrun.is_main():  # under torchrun, rank 0 alone evaluates, writes and prints
+        return 0
     if not qmodel.meta.get("quantkit_qparams"):
         raise QuantkitError(f"nothing is quantized: the model has no {'/'.join(recipe.config().ops)} op outside "
                             "the --skip patterns (and no embedding); check --ops and --skip")

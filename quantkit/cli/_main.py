@@ -213,11 +213,12 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _run(args) -> int:
-    say = (lambda *a, **k: None) if getattr(args, "quiet", False) else print
     if args.command == "quantize":
         from ._cli_quantize import run_quantize
+        from ._distributed import torchrun_group
 
-        return run_quantize(args, say)
+        with torchrun_group(args):  # under torchrun: a process group; ranks other than 0 are quiet
+            return run_quantize(args, (lambda *a, **k: None) if args.quiet else print)
     from ._cli_eval import run_eval, run_inspect
 
     return run_inspect(args, print) if args.command == "inspect" else run_eval(args, print)

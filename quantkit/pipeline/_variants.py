@@ -75,7 +75,7 @@ class Variants:
         self.calib_data = calib_data
         self.float_graph = model if isinstance(model, GraphModule) else capture(model, example_inputs)
         prepared = prepare(self.float_graph, quantizer)  # prepare copies; the float graph stays as it is
-        calibrate(prepared, calib_data, progress=False)
+        calibrate(prepared, calib_data, progress=False, distributed=False)  # every rank has all the data
         self._batches = prepared.meta["quantkit_calibrated_batches"]
         # convert leaves the prepared model (and so these observers) as they are
         self._groups = _observer_groups(prepared)
@@ -105,7 +105,7 @@ class Variants:
             prepared.meta["quantkit_calibrated_batches"] = self._batches
         else:
             self.rebuilt += 1
-            calibrate(prepared, self.calib_data, progress=False)
+            calibrate(prepared, self.calib_data, progress=False, distributed=False)  # every rank has all the data
         return convert_in_place(prepared)  # our own prepared model: no copy needed
 
     def _copy_observers(self, prepared: GraphModule) -> bool:
