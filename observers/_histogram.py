@@ -10,6 +10,7 @@ import torch
 
 from quantkit._qmath import is_symmetric
 
+from . import _fp8
 from . import _histsearch as hs
 from . import _rangesearch as rs
 from ._base import QuantkitObserver
@@ -241,8 +242,9 @@ class HistogramObserver(QuantkitObserver):
             return lo, hi
         if self.method in (HistogramMethod.MSE, HistogramMethod.L2):
             first, last, h_lo, h_hi = self._occupied()  # the searches see these, with their exact edges
-            a, b = rs.search_range(rs.host(self.histogram)[first:last + 1], h_lo, h_hi, self._qp(),
-                                   self.method.value)
+            # an FP8 observer (observers._fp8) searches on the float8 grid, not on integer levels
+            search = _fp8.search_float8_range if getattr(self, "float8_rounding", False) else rs.search_range
+            a, b = search(rs.host(self.histogram)[first:last + 1], h_lo, h_hi, self._qp(), self.method.value)
             return self._trimmed(a, b, lo, hi)
         if self.method is HistogramMethod.KL:
             first, last, h_lo, h_hi = self._occupied()

@@ -18,6 +18,7 @@ from torchao.quantization.pt2e.quantizer import (
 
 from ._config import QUANTIZABLE_OPS, ActivationScheme, Granularity, QuantConfig
 from ._embedding import EmbeddingQuantizer
+from ._fp8 import FP8Config, FP8Quantizer
 from ._w8a8 import W8A8Quantizer
 from ._weight_only import WeightOnlyConfig, WeightOnlyQuantizer
 
@@ -32,6 +33,8 @@ __all__ = [
     "EdgeOrNode",
     "W8A8Quantizer",
     "EmbeddingQuantizer",
+    "FP8Quantizer",
+    "FP8Config",
     "WeightOnlyQuantizer",
     "WeightOnlyConfig",
     "QuantConfig",

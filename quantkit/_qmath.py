@@ -19,6 +19,11 @@ import torchao.quantization.pt2e  # noqa: F401
 __all__ = [
     "DEFAULT_EPS",
     "FLOAT8_DTYPES",
+    "float8_max",
+    "float8_values",
+    "float8_scale",
+    "quantize_float8",
+    "dequantize_float8",
     "default_qrange",
     "is_symmetric",
     "is_per_channel",
@@ -264,6 +269,47 @@ def dequantize(
     return ops.dequantize_per_channel.default(
         q, scale, zero_point, axis, quant_min, quant_max, dtype
     )
+
+
+def float8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of a float8 dtype: 448 (``float8_e4m3fn``), 57344 (``float8_e5m2``)."""
+    if dtype not in FLOAT8_DTYPES:
+        raise ValueError(f"unsupported float8 dtype {dtype}; use torch.float8_e4m3fn or torch.float8_e5m2")
+    return float(torch.finfo(dtype).max)
+
+
+def float8_values(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite value of a float8 dtype, ascending, as float64 (253 for e4m3fn, 247 for e5m2;
+    -0 and +0 are one value): the grid that FP8 rounding maps onto."""
+    float8_max(dtype)  # checks the dtype
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).double()
+    return torch.unique(every[torch.isfinite(every)])  # sorted
+
+
+def float8_scale(amax: torch.Tensor | float, dtype: torch.dtype = torch.float8_e4m3fn,
+                 eps: float = DEFAULT_EPS) -> torch.Tensor:
+    """FP8 scale of a symmetric range ``[-amax, amax]``: ``amax / float8_max(dtype)`` in float32,
+    floored at ``eps`` (an all-zero tensor gets no zero scale). The same value
+    :func:`choose_qparams` gives a ``per_*_symmetric`` float8 scheme with the range ``+-max``.
+    Returns a float32 tensor shaped like ``amax`` (``[1]`` for a number)."""
+    amax = torch.as_tensor(amax, dtype=torch.float32).detach().float()
+    if amax.dim() == 0:
+        amax = amax.reshape(1)
+    return torch.clamp(amax.abs() / float8_max(dtype), min=eps)
+
+
+def quantize_float8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+    """Round ``x / scale`` (float32) to the nearest float8 value (ties to even), saturating at
+    ``+-float8_max``: torchao's ``quantize_affine_float8_non_decomposed``, the op FP8 graphs
+    carry. ``scale`` broadcasts against ``x`` (``[1]``, ``[N, 1]`` per channel, ``[..., 1]`` per token).
+    Unlike the ``quantized_decomposed`` ops with a float8 dtype, nothing is rounded to an
+    integer first."""
+    return torch.ops.torchao.quantize_affine_float8_non_decomposed.default(x, scale, dtype)
+
+
+def dequantize_float8(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_float8`: ``q * scale`` in float32, cast to ``out_dtype``."""
+    return torch.ops.torchao.dequantize_affine_float8_non_decomposed.default(q, scale, out_dtype)
 
 
 def fake_quantize(x, scale, zero_point, quant_min, quant_max, dtype, axis=None) -> torch.Tensor:

@@ -20,6 +20,7 @@ from ._prepare import (
     set_submodule,
 )
 from .._qmath import FLOAT8_DTYPES, is_per_channel, underlying_dtype
+from ._convert_fp8 import emit_float8, is_float8_observer
 from ._qat import fold_simulated_bn, is_qat, refuse_training
 from ._convert_groupwise import emit_groupwise, is_groupwise
 
@@ -210,6 +211,9 @@ class _Converter:
             return
         src = node.args[0]
         const = _constant_value(self.gm, src, self.memo)
+        if is_float8_observer(obs):  # FP8 on the float8 grid: torchao's float8 ops (_convert_fp8)
+            self._finish(node, obs, emit_float8(self, node, obs, const))
+            return
         dtype = underlying_dtype(getattr(obs, "dtype", torch.float32))
         is_dynamic = bool(getattr(obs, "is_dynamic", False))
         out_kwargs = {}
@@ -252,6 +256,11 @@ class _Converter:
                     "quant_min": obs.quant_min,
                     "quant_max": obs.quant_max,
                 })
+        self._finish(node, obs, out)
+
+    def _finish(self, node: Node, obs, out: Node) -> None:
+        if getattr(obs, "kv_role", None) and self.records and self.records[-1]["node"] == getattr(obs, "node_name", None):
+            self.records[-1]["kv_cache"] = obs.kv_role  # a KV-cache scale (FP8Quantizer(kv_cache=...))
         node.replace_all_uses_with(out)
         self.graph.erase_node(node)
 
@@ -371,7 +380,7 @@ def _observe_weights_and_check(prepared: GraphModule) -> None:
     for node in obs_nodes:
         obs = modules[str(node.target)]
         dtype = underlying_dtype(getattr(obs, "dtype", torch.float32))
-        own_convert = hasattr(obs, "convert") and not isinstance(obs, QuantkitObserver)
+        own_convert = (hasattr(obs, "convert") and not isinstance(obs, QuantkitObserver)) or is_float8_observer(obs)
         if dtype in FLOAT8_DTYPES and not own_convert and (is_per_channel(getattr(obs, "qscheme", None))
                                        or getattr(obs, "is_dynamic", False)):
             # torch's dequantize_per_channel subtracts int64 zero points from the float8 tensor,

@@ -1,0 +1,133 @@
+"""all-MiniLM-L6-v2 through FP8Quantizer recipes beside static/per-token int8: held-out cosine.
+
+The protocol of ``bench_minilm_recipes.py`` (and tests/test_minilm.py): calibrate on the first
+128 bundled sentences, score the last 100 (seq_len 64) by the cosine of the sentence embedding
+against the float model's.
+
+    python benchmarks/bench_minilm_fp8.py [--kv]
+
+``--kv`` adds the KV-cache formats (``kv_cache=...`` on top of FP8 static / dynamic per token)
+on MiniLM and on a tiny random Llama (transformers ``LlamaConfig``, 2 layers, rotary), where the
+metric is the cosine of the last hidden states per real token, on 32 held-out random sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+
+import quantkit
+from quantkit import _hf
+from quantkit.quantizers import FP8Quantizer, QuantConfig, W8A8Quantizer
+
+
+def _row(name, cos, seconds) -> str:
+    return f"| {name} | {cos.mean():.5f} | {cos.min():.5f} | {int((cos < 0.99).sum())} | {seconds:.1f} |"
+
+
+def _run(gm, quantizer, calib, held, alpha=None):
+    graph = gm if alpha is None else quantkit.smooth_quant(gm, calib, alpha=alpha)
+    prepared = quantkit.prepare(graph, quantizer)
+    quantkit.calibrate(prepared, calib, progress=False)
+    qmodel = quantkit.convert(prepared)
+    with torch.no_grad():
+        return qmodel(**held) if isinstance(held, dict) else qmodel(held)
+
+
+def minilm(kv: bool) -> None:
+    model, tok = _hf.load_hf_model(_hf.default_model_path())
+    embedder = _hf.SentenceEmbedder(model).eval()
+    sents = _hf.read_sentences(_hf.default_calibration_file())
+    calib = _hf.tokenize(tok, sents[:128], seq_len=64, batch_size=32)
+    held = _hf.tokenize(tok, sents[-100:], seq_len=64, batch_size=100)[0]
+    with torch.no_grad():
+        ref = embedder(**held)
+    gm = quantkit.capture(embedder, calib[0])
+    recipes = {
+        "int8 static W8A8 (W8A8Quantizer())": W8A8Quantizer(),
+        "int8 dynamic per-token (W8A8Quantizer(QuantConfig(dynamic=True, granularity='per-token')))":
+            W8A8Quantizer(QuantConfig(dynamic=True, granularity="per-token")),
+        "FP8 static, min-max (FP8Quantizer())": FP8Quantizer(),
+        "FP8 static, mse on the E4M3 grid (FP8Quantizer(act_observer='mse'))": FP8Quantizer(act_observer="mse"),
+        "FP8 static, weights per tensor (FP8Quantizer(weight_granularity='per-tensor'))":
+            FP8Quantizer(weight_granularity="per-tensor"),
+        "FP8 dynamic per-token (FP8Quantizer(dynamic=True, granularity='per-token'))":
+            FP8Quantizer(dynamic=True, granularity="per-token"),
+        "SmoothQuant α=0.5 + FP8 static": (0.5, FP8Quantizer()),
+    }
+    if kv:
+        recipes = {k: v for k, v in recipes.items() if "min-max (FP8" in k or "FP8 dynamic" in k}
+        for fmt in ("fp8_e4m3", "fp8_e5m2", "int8"):
+            for gran in ("per-tensor", "per-head"):
+                recipes[f"FP8 static + kv_cache={fmt!r}, {gran}"] = FP8Quantizer(kv_cache=fmt, kv_granularity=gran)
+            recipes[f"FP8 dynamic per-token + kv_cache={fmt!r}"] = FP8Quantizer(
+                dynamic=True, granularity="per-token", kv_cache=fmt)
+    print(f"all-MiniLM-L6-v2, 100 held-out sentences; machine: {platform.processor() or platform.machine()}, "
+          f"torch {torch.__version__}")
+    print("| recipe | mean cosine | min cosine | sentences < 0.99 | time (s) |")
+    print("|---|---|---|---|---|")
+    for name, quantizer in recipes.items():
+        t = time.perf_counter()
+        alpha = None
+        if isinstance(quantizer, tuple):
+            alpha, quantizer = quantizer
+        out = _run(gm, quantizer, calib, held, alpha)
+        print(_row(name, _hf.cosine(ref, out), time.perf_counter() - t), flush=True)
+
+
+def tiny_llama() -> None:
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = LlamaModel(cfg).eval()
+    model.config.use_cache = False
+    ids = torch.randint(0, 512, (96, 32), generator=torch.Generator().manual_seed(1))
+    calib = [{"input_ids": ids[i:i + 16]} for i in range(0, 64, 16)]
+    held = {"input_ids": ids[64:]}
+
+    class Last(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, input_ids):
+            return self.m(input_ids=input_ids).last_hidden_state
+
+    wrapped = Last(model).eval()
+    with torch.no_grad():
+        ref = wrapped(**held)
+    gm = quantkit.capture(wrapped, calib[0])
+    print("\ntiny random Llama (2 layers, hidden 128, 4 heads / 2 KV heads, rotary), 32 held-out sequences "
+          "of 32 tokens: cosine of the last hidden state per token")
+    print("| recipe | mean cosine | min cosine | tokens < 0.99 | time (s) |")
+    print("|---|---|---|---|---|")
+    recipes = {"FP8 static": FP8Quantizer(), "FP8 dynamic per-token": FP8Quantizer(dynamic=True, granularity="per-token")}
+    for fmt in ("fp8_e4m3", "fp8_e5m2", "int8"):
+        recipes[f"FP8 static + kv_cache={fmt!r}"] = FP8Quantizer(kv_cache=fmt)
+        recipes[f"FP8 static + kv_cache={fmt!r}, per-head"] = FP8Quantizer(kv_cache=fmt, kv_granularity="per-head")
+        recipes[f"FP8 dynamic per-token + kv_cache={fmt!r}"] = FP8Quantizer(
+            dynamic=True, granularity="per-token", kv_cache=fmt)
+    for name, quantizer in recipes.items():
+        t = time.perf_counter()
+        out = _run(gm, quantizer, calib, held)
+        cos = torch.nn.functional.cosine_similarity(ref.reshape(-1, ref.shape[-1]).double(),
+                                                    out.reshape(-1, out.shape[-1]).double(), dim=-1)
+        print(_row(name, cos, time.perf_counter() - t), flush=True)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kv", action="store_true", help="KV-cache formats on MiniLM and a tiny random Llama")
+    args = ap.parse_args(argv)
+    minilm(args.kv)
+    if args.kv:
+        tiny_llama()
+
+
+if __name__ == "__main__":
+    main()
