@@ -1,0 +1,194 @@
+"""Weight-only quantization (WeightOnlyQuantizer): GEMM speed, a Llama-architecture model, MiniLM accuracy.
+
+    python benchmarks/bench_weight_only.py                 # all three parts
+    python benchmarks/bench_weight_only.py --gemm          # 4096x4096 linear at M = 1 and 8
+    python benchmarks/bench_weight_only.py --llama         # hidden 2048, 4 layers, 1 token
+    python benchmarks/bench_weight_only.py --minilm [--algorithms rtn,gptq,awq]
+
+Speed is measured side by side in one process, interleaved: every round runs each variant once
+(``--calls`` calls, averaged), and the reported speedups are medians of the per-round ratios, so a
+busy machine slows every variant of a round alike. Accuracy is all-MiniLM-L6-v2's held-out mean
+embedding cosine against fp32 (calibration: the first 128 bundled sentences; held out: the last
+100; seq_len 64; every linear quantized, embeddings float), the split of bench_minilm_recipes.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import statistics
+import time
+
+import torch
+
+import quantkit
+from quantkit.quantizers import WeightOnlyQuantizer
+
+aten = torch.ops.aten
+
+
+def _timed_rounds(variants: dict, rounds: int, calls: int) -> dict[str, list[float]]:
+    """Seconds per call of every variant, per round; the variants of a round run back to back."""
+    with torch.no_grad():
+        for fn in variants.values():  # warm-up (and compilation)
+            fn()
+            fn()
+        times = {name: [] for name in variants}
+        for _ in range(rounds):
+            for name, fn in variants.items():
+                t = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                times[name].append((time.perf_counter() - t) / calls)
+    return times
+
+
+def _table(times: dict[str, list[float]], base: str, title: str) -> None:
+    print(f"\n{title}")
+    print(f"| variant | median ms/call | speedup vs {base} (median of per-round ratios) |")
+    print("|---|---|---|")
+    for name, ts in times.items():
+        ratio = statistics.median(b / t for b, t in zip(times[base], ts))
+        print(f"| {name} | {statistics.median(ts) * 1e3:.3f} | {ratio:.2f}x |")
+
+
+def _int4_linear(n: int, k: int, group: int):
+    """An ``nn.Linear(k, n)`` quantized int4 g``group`` asymmetric through quantkit, eager and lowered."""
+    model = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)).eval()
+    x = torch.randn(1, k)
+    prepared = quantkit.prepare(quantkit.capture(model, (x,)), WeightOnlyQuantizer(bits=4, group_size=group))
+    quantkit.calibrate(prepared, [x], progress=False)
+    return model, quantkit.convert(prepared)
+
+
+def bench_gemm(args) -> None:
+    n = k = 4096
+    g = 128
+    model, converted = _int4_linear(n, k, g)
+    from quantkit.lowering._weight_only import lower_weight_only
+
+    lowered = copy.deepcopy(converted)
+    counts = lower_weight_only(lowered, "cpu")
+    assert counts["weight_only_int4"] == 1, counts
+    compiled = quantkit.compile(converted)
+    packed = next(b for name, b in lowered.named_buffers() if name.startswith("_qk_int4pack_"))
+    sz = next(b for name, b in lowered.named_buffers() if name.startswith("_qk_int4_scale_zero_"))
+    w32 = model[0].weight.detach()
+    w16 = w32.bfloat16()
+    for m in (1, 8):
+        x = torch.randn(m, k)
+        xb = x.bfloat16()
+        variants = {
+            "fp32 eager (F.linear)": lambda: torch.nn.functional.linear(x, w32),
+            "bf16 eager (F.linear)": lambda: torch.nn.functional.linear(xb, w16),
+            "int4 g128 kernel (bf16 in/out)": lambda: aten._weight_int4pack_mm_for_cpu(xb, packed, g, sz),
+            "int4 g128 lowered graph (fp32 in/out, eager)": lambda: lowered(x),
+            "int4 g128 quantkit.compile": lambda: compiled(x),
+            "int4 g128 q/dq reference (eager)": lambda: converted(x),
+        }
+        times = _timed_rounds(variants, args.rounds, args.calls)
+        _table(times, "fp32 eager (F.linear)", f"4096x4096 linear, M = {m} (x @ W^T, weights 64 MiB fp32 / 8.5 MiB int4)")
+        bf16 = times["bf16 eager (F.linear)"]
+        ratio = statistics.median(b / t for b, t in zip(bf16, times["int4 g128 kernel (bf16 in/out)"]))
+        print(f"int4 kernel vs bf16 eager: {ratio:.2f}x")
+
+
+def bench_llama(args) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    # TinyLlama-1.1B's widths (hidden 2048, intermediate 5632, 32 heads, 4 KV heads), 4 layers
+    cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=32,
+                      num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
+    model = LlamaForCausalLM(cfg).eval()
+    model.config.use_cache = False
+    ids = torch.randint(0, cfg.vocab_size, (1, 1))
+    t = time.perf_counter()
+    gm = quantkit.capture(model, {"input_ids": ids})
+    prepared = quantkit.prepare(gm, WeightOnlyQuantizer(bits=4, group_size=128))
+    quantkit.calibrate(prepared, [{"input_ids": torch.randint(0, cfg.vocab_size, (1, 8))}], progress=False)
+    converted = quantkit.convert(prepared)
+    t_quant = time.perf_counter() - t
+    t = time.perf_counter()
+    compiled = quantkit.compile(converted)
+    with torch.no_grad():
+        compiled(input_ids=ids)
+    t_compile = time.perf_counter() - t
+    print(f"\nLlama (hidden 2048, 4 layers, vocab 32000, {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M "
+          f"params, random weights): quantize {t_quant:.0f} s, compile + first call {t_compile:.0f} s; lowering "
+          f"{compiled._orig_mod.meta['quantkit_lowering']}")
+    variants = {
+        "fp32 eager (HF model)": lambda: model(input_ids=ids),
+        "int4 g128 quantkit.compile": lambda: compiled(input_ids=ids),
+    }
+    times = _timed_rounds(variants, args.rounds, max(1, args.calls // 4))
+    _table(times, "fp32 eager (HF model)", "Llama-architecture model, 1 token (no KV cache)")
+
+
+def bench_minilm(args) -> None:
+    from quantkit import _hf
+
+    model, tok = _hf.load_hf_model(_hf.default_model_path())
+    embedder = _hf.SentenceEmbedder(model).eval()
+    sents = _hf.read_sentences(_hf.default_calibration_file())
+    calib = _hf.tokenize(tok, sents[:128], seq_len=64, batch_size=32)
+    held = _hf.tokenize(tok, sents[-100:], seq_len=64, batch_size=100)[0]
+    with torch.no_grad():
+        ref = embedder(**held)
+    gm = quantkit.capture(embedder, calib[0])
+    rows = [
+        ("int4 g128 asymmetric", dict(bits=4, group_size=128)),
+        ("int4 g128 symmetric", dict(bits=4, group_size=128, symmetric=True)),
+        ("int4 g32 asymmetric", dict(bits=4, group_size=32)),
+        ("int4 g32 symmetric", dict(bits=4, group_size=32, symmetric=True)),
+        ("NF4 g128", dict(bits=4, group_size=128, scheme="nf4")),
+        ("NF4 g64", dict(bits=4, group_size=64, scheme="nf4")),
+        ("int8 per channel symmetric", dict(bits=8, group_size=None, symmetric=True)),
+    ]
+    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    print("\nall-MiniLM-L6-v2, every linear weight-only quantized: held-out mean cosine vs fp32 (time to quantize)")
+    print("| weights | " + " | ".join(algorithms) + " |")
+    print("|---|" + "---|" * len(algorithms))
+    for name, kw in rows:
+        cells = []
+        for algorithm in algorithms:
+            if algorithm != "rtn" and kw.get("scheme") == "nf4":
+                cells.append("n/a")
+                continue
+            t = time.perf_counter()
+            prepared = quantkit.prepare(gm, WeightOnlyQuantizer(algorithm=algorithm, **kw))
+            quantkit.calibrate(prepared, calib, progress=False)
+            q = quantkit.convert(prepared)
+            seconds = time.perf_counter() - t
+            with torch.no_grad():
+                cos = torch.nn.functional.cosine_similarity(q(**held), ref, dim=-1)
+            cells.append(f"{cos.mean():.4f} ({seconds:.0f} s)")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gemm", action="store_true")
+    ap.add_argument("--llama", action="store_true")
+    ap.add_argument("--minilm", action="store_true")
+    ap.add_argument("--algorithms", default="rtn", help="MiniLM columns, comma-separated: rtn, gptq, awq")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--calls", type=int, default=8)
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    every = not (args.gemm or args.llama or args.minilm)
+    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
+    if every or args.gemm:
+        bench_gemm(args)
+    if every or args.llama:
+        bench_llama(args)
+    if every or args.minilm:
+        bench_minilm(args)
+
+
+if __name__ == "__main__":
+    main()
