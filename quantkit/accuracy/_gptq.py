@@ -136,14 +136,13 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: WeightSch
     with _threads_for(n * bs):
         _column_loop(w, hinv, q, scale, zp, have, group_of, invperm, scheme, gs, bs)
     q = q[:, invperm].to(torch.int64)
-    deq = ((q - zp.repeat_interleave(gs, dim=1)) * scale.repeat_interleave(gs, dim=1)).to(torch.float32)
+    deq = scheme.dequantize(q, scale, zp)
     return GPTQResult(q=q, scale=scale, zero_point=zp, dequantized=deq)
 
 
 def _column_loop(w, hinv, q, scale, zp, have, group_of, invperm, scheme: WeightScheme, gs: int, bs: int) -> None:
     """Algorithm 1's loop, in place on ``w`` (permuted), ``q``, ``scale``, ``zp`` and ``have``."""
     n, k = w.shape
-    qmin, qmax = scheme.quant_min, scheme.quant_max
     cached = None
     for i1 in range(0, k, bs):
         i2 = min(i1 + bs, k)
@@ -162,9 +161,9 @@ def _column_loop(w, hinv, q, scale, zp, have, group_of, invperm, scheme: WeightS
             if g != cached:
                 s, z, cached = scale[:, g].double(), zp[:, g].double(), g
             col = w1[:, i]
-            qi = torch.clamp(torch.round(col / s) + z, qmin, qmax)
+            qi, dq = scheme.round(col, s, z)
             q[:, i1 + i] = qi
-            e = (col - (qi - z) * s) / hinv1[i, i]
+            e = (col - dq) / hinv1[i, i]
             w1[:, i:] -= e[:, None] * hinv1[i, i:][None, :]
             err1[:, i] = e
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._qmath import DEFAULT_EPS, choose_qparams, fake_quantize, is_symmetric, underlying_dtype
+from .._qmath import NF4_VALUES, DEFAULT_EPS, choose_qparams, fake_quantize, is_symmetric, underlying_dtype
 
 __all__ = ["WeightScheme", "WEIGHT_ALGORITHMS"]
 
@@ -26,6 +26,7 @@ class WeightScheme:
         dtype: integer dtype of the stored values (decides unsigned symmetric zero points).
         eps: smallest scale.
         customized_qrange: the range was given by the user (see ``_qmath.choose_qparams``).
+        nf4: NF4 codes (QLoRA's table) with per-group absmax scales instead of integers.
     """
 
     quant_min: int
@@ -35,6 +36,7 @@ class WeightScheme:
     dtype: torch.dtype = torch.int8
     eps: float = DEFAULT_EPS
     customized_qrange: bool = False
+    nf4: bool = False
 
     def __post_init__(self) -> None:
         if not self.quant_min < self.quant_max:
@@ -57,6 +59,7 @@ class WeightScheme:
             dtype=underlying_dtype(getattr(obs, "dtype", torch.int8)),
             eps=float(eps.reshape(-1)[0]) if isinstance(eps, torch.Tensor) else float(eps),
             customized_qrange=bool(getattr(obs, "has_customized_qrange", False)),
+            nf4=getattr(obs, "scheme", None) == "nf4",
         )
 
     def group(self, in_features: int) -> int:
@@ -68,6 +71,8 @@ class WeightScheme:
 
     def row_qparams(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One ``(scale, zero_point)`` per row of ``w`` (``[N, k]``), from the row's min/max."""
+        if self.nf4:  # absmax, as _qmath.nf4_scales
+            return w.abs().amax(1).float().clamp(min=self.eps), torch.zeros(w.shape[0], dtype=torch.int64)
         qscheme = torch.per_channel_symmetric if self.symmetric else torch.per_channel_affine
         return choose_qparams(w.amin(1), w.amax(1), qscheme=qscheme, dtype=self.dtype, quant_min=self.quant_min,
                               quant_max=self.quant_max, eps=self.eps, customized_qrange=self.customized_qrange)
@@ -84,6 +89,9 @@ class WeightScheme:
         n, k = w.shape
         gs = self.group(k)
         flat = w.float().reshape(n * (k // gs), gs)
+        if self.nf4:
+            q, _ = self.round(flat, scale.reshape(-1, 1).float(), zero_point.reshape(-1, 1))
+            return (self._table(w.device)[q] * scale.reshape(-1, 1).float()).reshape(n, k)
         out = fake_quantize(flat, scale.reshape(-1).float(), zero_point.reshape(-1), self.quant_min, self.quant_max,
                             self.dtype, axis=0)
         return out.reshape(n, k)
@@ -91,3 +99,25 @@ class WeightScheme:
     def rtn(self, w: torch.Tensor) -> torch.Tensor:
         """``w`` rounded to nearest with its own qparams."""
         return self.fake_quantize(w, *self.qparams(w))
+
+    def _table(self, device) -> torch.Tensor:
+        return torch.tensor(NF4_VALUES, dtype=torch.float32, device=device)
+
+    def round(self, x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q, dequantized)`` of ``x`` for broadcastable qparams, in ``x``'s float dtype: integers
+        ``clamp(round(x / scale) + zp)``, or NF4 codes (the nearest table value, ties down)."""
+        if self.nf4:
+            table = self._table(x.device).to(x.dtype)
+            q = torch.bucketize(x / scale.to(x.dtype), (table[1:] + table[:-1]) / 2)
+            return q, table[q] * scale.to(x.dtype)
+        zp = zero_point.to(x.dtype)
+        q = torch.clamp(torch.round(x / scale.to(x.dtype)) + zp, self.quant_min, self.quant_max)
+        return q, (q - zp) * scale.to(x.dtype)
+
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+        """Float32 weight from integers/codes ``q`` (``[N, K]``) and ``[N, G]`` qparams."""
+        gs = q.shape[1] // scale.shape[1]
+        s = scale.repeat_interleave(gs, dim=1).double()
+        if self.nf4:
+            return (self._table(q.device).double()[q.long()] * s).float()
+        return ((q.double() - zero_point.repeat_interleave(gs, dim=1).double()) * s).float()
