@@ -38,17 +38,19 @@ class AWQConfig:
         clip: search a per-group clipping range after scaling (the reference's ``auto_clip``).
         clip_grid: shrink steps of 5% (the reference: 20 steps, up to ``max_shrink`` 0.5).
         max_shrink: the most the clipping range shrinks (0.5 in the reference).
-        rows: activation rows kept per group of linears for the searches.
+        rows: activation rows kept per group of linears for the scale search (uniform sample).
+        clip_rows: of those, rows used by the clipping search (512 tokens in the reference).
     """
 
     n_grid: int = 20
     clip: bool = True
     clip_grid: int = 20
     max_shrink: float = 0.5
-    rows: int = 4096
+    rows: int = 2048
+    clip_rows: int = 512
 
     def __post_init__(self) -> None:
-        for name in ("n_grid", "clip_grid", "rows"):
+        for name in ("n_grid", "clip_grid", "rows", "clip_rows"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -191,7 +193,8 @@ def run_awq(prepared: GraphModule, linears: list[RoundedLinear], data: Iterable,
             x = x / s
         for lin, w, scheme in zip(lins, weights, schemes):
             if config.clip:
-                w = awq_clip(x, w, scheme, config.clip_grid, config.max_shrink)
+                rows = x[::max(1, x.shape[0] // config.clip_rows)][:config.clip_rows]
+                w = awq_clip(rows, w, scheme, config.clip_grid, config.max_shrink)
             set_attr(prepared, lin.weight, w.to(get_attr(prepared, lin.weight).dtype))
             # the observer's own (round-to-nearest) qparams of the new weight, fixed
             obs, new = lin.observer, get_attr(prepared, lin.weight)
