@@ -347,7 +347,7 @@ def run_quantize(args, say) -> int:
                                 "raise the budget or quantize without it")
     else:
         prepared = quantkit.prepare(gm, quantizer)
-        quantkit.calibrate(prepared, torchrun.shard_batches(calib), progress=progress)  # synced under torchrun
+        torchrun.calibrate(prepared, calib, progress=progress)  # under torchrun: this rank's shard, then synced
         t = clock.lap("calibrate", t)
         qmodel = quantkit.convert(prepared)
         t = clock.lap("convert", t)

@@ -5,8 +5,9 @@ torchrun) starts N copies; torchrun sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``.
 loads the model and data, and calibrates on its contiguous shard of the calibration batches
 (:func:`quantkit.shard`); :func:`quantkit.calibrate` then reduces the observers exactly, so
 every rank holds the observers of one process that calibrated on all of them. Rank 0 alone
-converts, evaluates, writes the artifact (atomically) and prints; the other ranks exit 0
-after the reduction. A rank that fails during calibration makes every rank fail (the error
+evaluates, writes the artifact (atomically) and prints; the other ranks exit 0 after
+converting. The process group exists from calibration on: passes over all the data before
+it (SmoothQuant, a recipe search) run on every rank alone, identically. A rank that fails during calibration makes every rank fail (the error
 flag is exchanged before the reduction); a rank that fails elsewhere is stopped by torchrun,
 and the process group's timeout (``QUANTKIT_DIST_TIMEOUT`` seconds, default 600) bounds any
 wait for a lost peer.
@@ -16,25 +17,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 
 from ._cli_inputs import UsageError
 
-__all__ = ["torchrun_group", "is_main", "shard_batches", "rank_device", "DEFAULT_TIMEOUT_S"]
+__all__ = ["torchrun_group", "calibrate", "is_main", "rank_device", "DEFAULT_TIMEOUT_S"]
 
 # seconds a collective waits for a peer before failing: long enough for ranks whose
 # calibration shards take different times (they differ by at most one batch), short
 # enough that a lost peer ends the run in minutes, not torch's default 30
 DEFAULT_TIMEOUT_S = 600.0
-
-
-def _world() -> int:
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        raise UsageError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer; launch with torchrun") from None
 
 
 def _timeout() -> timedelta:
@@ -48,14 +43,36 @@ def _timeout() -> timedelta:
     return timedelta(seconds=seconds)
 
 
+@dataclass(frozen=True)
+class _Launch:
+    rank: int
+    world: int
+    local_rank: int
+    backend: str
+
+
+_LAUNCH: _Launch | None = None  # set within torchrun_group
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        raise UsageError(f"{name}={os.environ[name]!r} is not an integer; launch with torchrun") from None
+
+
 @contextlib.contextmanager
 def torchrun_group(args):
-    """Within: a torch.distributed process group when launched by torchrun with more than one
-    process (gloo, or nccl for ``--device cuda``); ranks other than 0 are made quiet. Outside
-    torchrun (or with an initialised group already): nothing."""
+    """Within: this process is one rank of a torchrun launch (more than one process); ranks other
+    than 0 are made quiet. The process group itself is created by :func:`calibrate`, when the
+    ranks first need each other, so that the whole-data passes before it (SmoothQuant, recipe
+    search) run on each rank alone; it is destroyed on the way out. Outside torchrun (or with
+    an initialised group already): nothing."""
+    global _LAUNCH
     import torch.distributed as dist
 
-    if _world() <= 1 or (dist.is_available() and dist.is_initialized()):
+    world = _env_int("WORLD_SIZE", 1)
+    if world <= 1 or (dist.is_available() and dist.is_initialized()):
         yield
         return
     if not dist.is_available():
@@ -64,40 +81,43 @@ def torchrun_group(args):
                        ("max_memory", "--max-memory"), ("resume", "--resume")):
         if getattr(args, attr, None) not in (None, False):
             raise UsageError(f"{flag} runs on one process; drop it or run without torchrun")
+    _timeout()  # a bad QUANTKIT_DIST_TIMEOUT fails before anything loads
     cuda = str(getattr(args, "device", None) or "cpu").startswith("cuda")
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=_timeout())
+    _LAUNCH = _Launch(rank=_env_int("RANK", 0), world=world, local_rank=_env_int("LOCAL_RANK", 0),
+                      backend="nccl" if cuda else "gloo")
+    if _LAUNCH.rank != 0:
+        args.quiet = True
     try:
-        if dist.get_rank() != 0:
-            args.quiet = True
         yield
     finally:
-        dist.destroy_process_group()
+        _LAUNCH = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def _group_rank() -> int | None:
+def calibrate(prepared, batches: list, *, progress: bool):
+    """``quantkit.calibrate`` on this rank's contiguous share of ``batches`` with the exact observer
+    reduction under torchrun (the process group is created here); on one process, on all of them."""
+    import quantkit
+
+    if _LAUNCH is None:
+        return quantkit.calibrate(prepared, batches, progress=progress, distributed=False)
     import torch.distributed as dist
 
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+    if _LAUNCH.backend == "nccl":
+        torch.cuda.set_device(_LAUNCH.local_rank)
+    dist.init_process_group(_LAUNCH.backend, timeout=_timeout())
+    mine = quantkit.shard(batches, dist.get_rank(), dist.get_world_size())
+    return quantkit.calibrate(prepared, mine, progress=progress, distributed=True)
 
 
 def is_main() -> bool:
-    """Whether this process evaluates, writes and prints (rank 0, or no process group)."""
-    return _group_rank() in (None, 0)
-
-
-def shard_batches(batches: list) -> list:
-    """This rank's contiguous share of the calibration batches (all of them on one process)."""
-    if _group_rank() is None:
-        return batches
-    from quantkit.pipeline._distributed import shard
-
-    return shard(batches)
+    """Whether this process evaluates, writes and prints (rank 0, or not under torchrun)."""
+    return _LAUNCH is None or _LAUNCH.rank == 0
 
 
 def rank_device(device: torch.device) -> torch.device:
     """``cuda`` without an index means this rank's GPU (``LOCAL_RANK``) under torchrun."""
-    if device.type == "cuda" and device.index is None and _group_rank() is not None:
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda" and device.index is None and _LAUNCH is not None:
+        return torch.device("cuda", _LAUNCH.local_rank)
     return device
