@@ -273,16 +273,34 @@ def _folds(obs) -> bool:
     return not own_convert and dtype in _SUPPORTED and not getattr(obs, "is_dynamic", False)
 
 
+# rows quantized at once: the quantize ops make float temporaries the size of their input
+_CHUNK_BYTES = 16 << 20
+
+
 def _quantized_weight(obs, const: torch.Tensor) -> torch.Tensor:
-    """The integer tensor convert folds for observer ``obs`` of the constant ``const`` (the same
-    qparams and quantize op as ``quantkit.convert``'s static branch)."""
+    """The integer tensor convert folds for observer ``obs`` of the constant ``const``: the same
+    qparams and quantize op as ``quantkit.convert``'s static branch, run on slices of at most
+    ``_CHUNK_BYTES`` (element-wise ops: the same values, without full-size float temporaries)."""
     ops = torch.ops.quantized_decomposed
     dtype = underlying_dtype(obs.dtype)
     scale, zp = obs.calculate_qparams()
-    if is_per_channel(obs.qscheme):
-        return ops.quantize_per_channel.default(const.detach(), scale.detach().clone(), zp.detach().clone(),
-                                                int(obs.ch_axis), obs.quant_min, obs.quant_max, dtype)
-    return ops.quantize_per_tensor.default(const.detach(), float(scale), int(zp), obs.quant_min, obs.quant_max, dtype)
+    const = const.detach()
+    per_channel = is_per_channel(obs.qscheme)
+    axis = int(obs.ch_axis) if per_channel else 0
+    if const.dim() == 0:
+        return ops.quantize_per_tensor.default(const, float(scale), int(zp), obs.quant_min, obs.quant_max, dtype)
+    out = torch.empty(const.shape, dtype=dtype)
+    step = max(1, _CHUNK_BYTES // max(1, const.numel() // max(1, const.shape[axis]) * const.element_size()))
+    for start in range(0, const.shape[axis], step):
+        part = const.narrow(axis, start, min(step, const.shape[axis] - start))
+        if per_channel:
+            q = ops.quantize_per_channel.default(part, scale[start:start + step].detach().clone(),
+                                                 zp[start:start + step].detach().clone(), axis,
+                                                 obs.quant_min, obs.quant_max, dtype)
+        else:
+            q = ops.quantize_per_tensor.default(part, float(scale), int(zp), obs.quant_min, obs.quant_max, dtype)
+        out.narrow(axis, start, q.shape[axis]).copy_(q)
+    return out
 
 
 def _padding_mask(batch):
@@ -368,6 +386,7 @@ class _Run:
             partial.commit_block(block.index, weights, {k: v for k, v in self.observers.items() if k in used})
             partial.mark_done(block.index)
             cache.finish(block.index)
+            del weights, values, produced, keep  # the float weights are gone once nothing holds them
             self._unload_weights(block)
             if kill_after is not None and int(kill_after) == block.index:
                 os.kill(os.getpid(), signal.SIGKILL)
