@@ -119,8 +119,12 @@ def calibrate(prepared: GraphModule, data: Iterable, *, progress: bool = True,
                               desc="calibrating", what="calibration", skip_padding=skip_padding)
     from quantkit.accuracy._rounding import with_weight_algorithms  # GPTQ/AWQ, when weights ask for them
 
-    run = with_weight_algorithms(prepared, data, run, max_batches=max_batches)
-    seen = calibrate_synced(prepared, run) if use_distributed(distributed) else run()
+    rounded = with_weight_algorithms(prepared, data, run, max_batches=max_batches)
+    synced = use_distributed(distributed)
+    if synced and rounded is not run:  # each rank would round its weights from its own shard
+        raise CalibrationError("GPTQ/AWQ weight rounding does not run distributed yet; calibrate on one process "
+                               "(distributed=False, with all the batches) or use weight_algorithm='rtn'")
+    seen = calibrate_synced(prepared, rounded) if synced else rounded()
     if seen == 0:
         raise CalibrationError(
             "calibration data is empty: no batches were run; pass at least one representative batch"
