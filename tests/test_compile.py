@@ -133,6 +133,7 @@ def test_compile_cpu_onednn_rewrites_every_linear():
 def no_vnni(monkeypatch):
     """Make ``auto`` decide as on an AVX2-only CPU, so the tests below mean the same everywhere."""
     monkeypatch.setattr(quantkit.lowering._onednn, "exact_on_this_cpu", lambda: False)
+    monkeypatch.setattr(quantkit.lowering._bf16, "bf16_supported", lambda: False)  # nor AVX-512 BF16
 
 
 def test_exact_for_graph_needs_every_onednn_activation_in_0_127(no_vnni):

@@ -135,7 +135,7 @@ def test_quantkit_compile_accepts_a_torchao_converted_graph():
     n_quantize = _qdq_counts(theirs)["quantized_decomposed.quantize_per_tensor.default"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the oneDNN saturation warning on CPUs without VNNI
-        fast = quantkit.compile(theirs, cpu_kernels="onednn", backend="eager")
+        fast = quantkit.compile(theirs, cpu_kernels="onednn", backend="eager", float_dtype="fp32")
     assert fast._orig_mod.meta["quantkit_lowering"]["int8_to_uint8"] == n_quantize > 0
     with torch.no_grad():
         assert torch.equal(fast(x), theirs(x))

@@ -8,6 +8,8 @@ import warnings
 import torch
 from torch.fx import GraphModule
 
+from ._bf16 import float_ops_to_bf16, resolve_float_dtype
+from ._fp8 import has_fp8_qdq, lower_fp8
 from ._lower import Target, lower
 from ._onednn import exact_for_graph
 from ._weight_only import lower_weight_only
@@ -24,7 +26,7 @@ def _has_qdq(gm: GraphModule) -> bool:
     """Whether ``gm`` holds quantized_decomposed dequantize ops (a q/dq graph, e.g. torchao's)."""
     from ..pipeline._convert import DEQUANTIZE_OPS
 
-    return any(n.op == "call_function" and n.target in DEQUANTIZE_OPS for n in gm.graph.nodes)
+    return any(n.op == "call_function" and n.target in DEQUANTIZE_OPS for n in gm.graph.nodes) or has_fp8_qdq(gm)
 
 
 def _device_type(gm: GraphModule) -> str:
@@ -34,7 +36,7 @@ def _device_type(gm: GraphModule) -> str:
     return devices.pop() if devices else "cpu"
 
 
-def compile(converted: GraphModule, *, cpu_kernels: str = "auto", **torch_compile_kwargs):
+def compile(converted: GraphModule, *, cpu_kernels: str = "auto", float_dtype: str = "auto", **torch_compile_kwargs):
     """``torch.compile`` a ``quantkit.convert`` result, running q/dq layers as fused int8 kernels.
 
     An FX pass first rewrites ``dq(x) -> linear <- dq(w_int8)`` (with a following relu/gelu and
@@ -55,6 +57,12 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", **torch_compil
             ``"onednn"`` forces oneDNN (on AVX2-only CPUs with 8-bit activations its int16
             intermediate sums saturate: fast, not exact); ``"reference"`` never rewrites.
             Ignored on CUDA.
+        float_dtype: what the ops that are not int8 GEMMs (attention, LayerNorm, GELU,
+            softmax, adds, q/dq arithmetic) compute in on CPU: ``"auto"`` runs them in bf16
+            when oneDNN int8 runs on a CPU with AVX-512 BF16 or AMX (int8-mixed-bf16, see
+            ``lowering/_bf16.py``; outputs keep their float32 dtype, values differ from the
+            reference at bf16 level), else float32; ``"bf16"`` forces bf16, ``"fp32"`` keeps
+            float32. Ignored on CUDA.
         **torch_compile_kwargs: passed to ``torch.compile`` (``dynamic``, ``fullgraph``,
             ``options``, ...). With oneDNN, calls run with Inductor ``freezing=True`` and no grad.
 
@@ -84,10 +92,16 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", **torch_compil
             )
     else:
         target = None
+    dtype = resolve_float_dtype(float_dtype, onednn=target is Target.ONEDNN)  # validates on CUDA too
     gm = copy.deepcopy(converted)
     gm.meta[LOWERING_META_KEY] = lower(gm, target) if target is not None else {}
     if cpu_kernels != "reference" or target is Target.TRITON:  # int4/int8 weight-only linears
         gm.meta[LOWERING_META_KEY].update(lower_weight_only(gm, "cuda" if target is Target.TRITON else "cpu"))
+    if cpu_kernels != "reference" or target is Target.TRITON:  # FP8 linears: torch._scaled_mm (_fp8.py)
+        gm.meta[LOWERING_META_KEY].update(lower_fp8(gm, "cuda" if target is Target.TRITON else "cpu"))
+    # int8-mixed-bf16: counts of casts (not around FP8 _scaled_mm: its scales and bias stay float32)
+    if dtype == torch.bfloat16 and target is not Target.TRITON and not gm.meta[LOWERING_META_KEY].get("fp8_linear"):
+        gm.meta[LOWERING_META_KEY].update(float_ops_to_bf16(gm))
     for p in gm.parameters():
         p.requires_grad_(False)  # inference graph: lets Inductor freeze (fold) the weights
     compiled = torch.compile(gm, **torch_compile_kwargs)

@@ -1,0 +1,149 @@
+"""CPU int8 + bf16: run everything that is not an int8 GEMM in bfloat16.
+
+Production CPU int8 inference is "int8-mixed-bf16": the GEMMs run in int8 and every other op
+(attention/SDPA, LayerNorm, GELU, softmax, residual adds, the arithmetic around quantize and
+dequantize) in bf16, which halves the memory traffic of the float part and lets oneDNN use its
+AVX-512 BF16 / AMX kernels for the float attention. The int8 part is unchanged.
+
+The pass writes the graph that ``torch.autocast`` would trace if every float op were on its
+bf16 list: each float32 tensor a float op reads is cast to bf16 first (``dq(x).to(bf16)``,
+``dq(w).to(bf16)``, ``bias.to(bf16)``, a float parameter ``.to(bf16)``); quantize ops read
+the bf16 values as they are (``quantize_per_tensor`` converts to float32 itself); dynamic
+quantizes (choose_qparams, per-token) get their float32 input back; the graph's outputs are
+cast back to their original dtype. That is the form Inductor's int8-mixed-bf16 freezing patterns
+(torch/_inductor/fx_passes/quantization.py, "to(dtype=torch.bfloat16) node at the inputs of
+activation and weight") match, so each ``dq -> linear <- dq(w)`` still becomes one
+``onednn.qlinear_pointwise``, now with a bf16 output (or a requantized uint8 one), and casts on
+frozen parameters are folded into constants.
+
+Numerics: bf16 has an 8-bit mantissa (relative rounding 2**-9), so values differ from the
+float32 reference q/dq graph at that level, and an activation rounded to bf16 before its
+quantize can land on the neighbouring int8 level. Tests state their tolerance against that.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import GraphModule, Node
+
+__all__ = ["FLOAT_DTYPES", "bf16_supported", "resolve_float_dtype", "float_ops_to_bf16"]
+
+aten = torch.ops.aten
+_Q = torch.ops.quantized_decomposed
+# "auto": bf16 where the CPU computes it natively (AVX-512 BF16 or AMX) and oneDNN int8 runs
+FLOAT_DTYPES = ("auto", "bf16", "fp32")
+# quantized_decomposed ops that read the float tensor being quantized as their first argument
+# and accept bf16 as it is (the op converts to float32 first; Inductor's requantize patterns
+# expect no cast in between)
+_QUANT_READS_BF16 = {_Q.quantize_per_tensor.default}
+
+
+def bf16_supported() -> bool:
+    """Whether this CPU has native bf16 arithmetic (AVX-512 BF16 or AMX-BF16)."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
+def resolve_float_dtype(float_dtype, *, onednn: bool) -> torch.dtype:
+    """The dtype ``quantkit.compile`` runs the float ops in: ``"auto"`` means bf16 on a CPU with
+    native bf16 when oneDNN int8 runs, else float32."""
+    if float_dtype in (torch.bfloat16, torch.float32):
+        float_dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}[float_dtype]
+    if float_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"unknown float_dtype {float_dtype!r}; use one of {list(FLOAT_DTYPES)}")
+    if float_dtype == "auto":
+        return torch.bfloat16 if onednn and bf16_supported() else torch.float32
+    return torch.bfloat16 if float_dtype == "bf16" else torch.float32
+
+
+def _is_qdq_op(node: Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "namespace", None) == "quantized_decomposed"
+
+
+def _orig_dtype(gm: GraphModule, node) -> torch.dtype | None:
+    """The dtype ``node`` produced before the pass (None for non-tensors)."""
+    if not isinstance(node, Node):
+        return None
+    if node.op == "get_attr":
+        obj = gm
+        for atom in node.target.split("."):
+            obj = getattr(obj, atom, None)
+        return obj.dtype if isinstance(obj, torch.Tensor) else None
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.dtype
+    if _is_qdq_op(node) and "dequantize" in node.target._name:
+        return node.kwargs.get("out_dtype") or node.kwargs.get("output_dtype") or torch.float32
+    return None
+
+
+def float_ops_to_bf16(gm: GraphModule) -> dict[str, int]:
+    """Rewrite ``gm`` in place so its float ops run in bf16; return counts of inserted casts.
+
+    int8 tensors, quantization parameters (scales, zero points) and the q/dq ops themselves
+    are left alone; see the module docstring for the rule. The graph's outputs keep their dtype.
+    """
+    graph = gm.graph
+    bf16 = set()  # nodes that now produce bf16 (originally float32)
+    casts: dict[tuple[Node, torch.dtype], Node] = {}
+    counts = {"to_bf16": 0, "to_fp32": 0}
+
+    def cast(src: Node, dtype: torch.dtype, key: str) -> Node:
+        if (src, dtype) not in casts:
+            with graph.inserting_after(src):
+                c = graph.call_function(aten._to_copy.default, (src,), {"dtype": dtype})
+            casts[(src, dtype)] = c
+            counts[key] += 1
+        return casts[(src, dtype)]
+
+    def to_bf16(a):
+        if isinstance(a, Node) and a not in bf16 and _orig_dtype(gm, a) == torch.float32:
+            return cast(a, torch.bfloat16, "to_bf16")
+        return a
+
+    def to_fp32(a):
+        if isinstance(a, Node) and a in bf16:
+            return cast(a, torch.float32, "to_fp32")
+        return a
+
+    inserted = set()
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node in inserted:
+            continue
+        if _is_qdq_op(node):
+            if node.target not in _QUANT_READS_BF16 and node.args:
+                node.args = (to_fp32(node.args[0]),) + tuple(node.args[1:])
+            continue
+        if node.target is operator.getitem:
+            if node.args[0] in bf16 and _orig_dtype(gm, node) == torch.float32:
+                bf16.add(node)
+            continue
+        reads_float = False
+
+        def visit(a):
+            nonlocal reads_float
+            if isinstance(a, Node) and (a in bf16 or _orig_dtype(gm, a) == torch.float32):
+                reads_float = True
+                return to_bf16(a)
+            return a
+
+        before = set(casts.values())
+        node.args = torch.fx.node.map_arg(node.args, visit)
+        node.kwargs = torch.fx.node.map_arg(node.kwargs, visit)
+        inserted |= set(casts.values()) - before
+        val = node.meta.get("val")
+        explicit = node.kwargs.get("dtype")  # e.g. _to_copy(x, dtype=float32), full(..., dtype=float32)
+        if reads_float and explicit is None and (isinstance(val, torch.Tensor) and val.dtype == torch.float32
+                                                 or isinstance(val, (tuple, list))):
+            bf16.add(node)
+    out = next(n for n in graph.nodes if n.op == "output")
+
+    def restore(a):
+        return to_fp32(a) if isinstance(a, Node) and _orig_dtype(gm, a) == torch.float32 else a
+
+    out.args = torch.fx.node.map_arg(out.args, restore)
+    graph.lint()
+    gm.recompile()
+    return counts
