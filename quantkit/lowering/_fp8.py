@@ -1,0 +1,137 @@
+"""FP8 lowering: ``linear(dq8(q8(x)), dq8(w_fp8), bias)`` → ``torch._scaled_mm`` on the float8 operands.
+
+The converted graph (``quantkit.pipeline._convert_fp8``) keeps each FP8 linear as torchao's
+float8 dequantize of the activation's float8 tensor and of the float8 weight buffer, then an
+``aten.linear`` in float32. This pass hands the float8 tensors and their scales to
+``aten._scaled_mm`` instead (CPU: its reference implementation in torch 2.13; CUDA: cuBLASLt
+FP8 on sm_89+), which accumulates in float32 and applies ``scale_a ⊗ scale_b`` to the product.
+
+``_scaled_mm`` takes a row-major ``[M, K]`` left operand and a column-major ``[K, N]`` right one
+(the weight ``[N, K]`` transposed: a view), with either two singleton scales (tensor-wise) or
+contiguous ``[M, 1]`` and ``[1, N]`` (row-wise); a per-tensor scale meeting a row-wise one is repeated,
+since mixed layouts are refused (measured, torch 2.13 CPU: "Invalid scaling configuration").
+On CUDA the row-wise path needs a bf16 output (cuBLASLt), so the product is cast back to float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..pipeline._convert_fp8 import FLOAT8_DEQUANTIZE_OPS, FLOAT8_QUANTIZE_OPS
+
+__all__ = ["lower_fp8", "has_fp8_qdq"]
+
+aten = torch.ops.aten
+_LINEAR = {aten.linear.default}
+
+
+def has_fp8_qdq(gm: GraphModule) -> bool:
+    """Whether ``gm`` holds float8 dequantize ops (an FP8 ``quantkit.convert`` result)."""
+    return any(n.op == "call_function" and n.target in FLOAT8_DEQUANTIZE_OPS for n in gm.graph.nodes)
+
+
+def _attr(gm: torch.nn.Module, target: str):
+    obj = gm
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def _val(node):
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _match(gm: GraphModule, node: Node):
+    """``(x_fp8, x_scale, w_fp8 get_attr, w_scale tensor, bias, out_dtype)`` for an FP8 linear, else None."""
+    if node.op != "call_function" or node.target not in _LINEAR:
+        return None
+    x_dq, w_dq = node.args[0], node.args[1]
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    for dq in (x_dq, w_dq):
+        if not (isinstance(dq, Node) and dq.op == "call_function" and dq.target in FLOAT8_DEQUANTIZE_OPS):
+            return None
+    x_q, x_scale = x_dq.args[0], x_dq.args[1]
+    w, w_scale = w_dq.args[0], w_dq.args[1]
+    if not (isinstance(x_q, Node) and x_q.op == "call_function" and x_q.target in FLOAT8_QUANTIZE_OPS):
+        return None
+    if not (isinstance(w, Node) and w.op == "get_attr" and isinstance(w_scale, Node) and w_scale.op == "get_attr"):
+        return None
+    weight, wscale = _attr(gm, str(w.target)), _attr(gm, str(w_scale.target))
+    if weight.dim() != 2 or wscale.numel() not in (1, weight.shape[0]):
+        return None
+    out_dtype = x_dq.args[2] if len(x_dq.args) > 2 else x_dq.kwargs.get("output_dtype", torch.float32)
+    if out_dtype != torch.float32 or w_dq.args[2:3] not in ((), (torch.float32,)):
+        return None
+    if _val(node) is None:  # the linear's output: its leading sizes are the input's
+        return None
+    return x_q, x_scale, w, weight, w_scale, wscale, bias
+
+
+def lower_fp8(gm: GraphModule, device: str = "cpu") -> dict[str, int]:
+    """Rewrite every FP8 linear of ``gm`` (in place) into ``aten._scaled_mm``; return
+    ``{"fp8_linear": count}``. Weight scales ``[N, 1]`` become ``[1, N]`` buffers; per-token
+    activation scales ``[..., 1]`` are reshaped to ``[M, 1]``. Anything else keeps its reference
+    float8 q/dq ops."""
+    graph = gm.graph
+    count = 0
+    for node in list(graph.nodes):
+        m = _match(gm, node)
+        if m is None:
+            continue
+        x_q, x_scale, w, weight, w_scale, wscale, bias = m
+        n_out, k = weight.shape
+        out_val = _val(node)
+        # a static activation scale is a [1] buffer; a dynamic one comes from the graph: amax
+        # (per tensor, 0-d) or choose_scale_float8 (per token)
+        if x_scale.op == "get_attr":
+            per_token = _attr(gm, str(x_scale.target)).numel() != 1
+        else:
+            per_token = x_scale.target not in (aten.div.Tensor,)
+        per_channel = wscale.numel() != 1
+        with graph.inserting_before(node):
+            a = graph.call_function(aten.reshape.default, (x_q, [-1, k]))
+            b = graph.call_function(aten.t.default, (w,))  # [K, N] column-major view
+            rows = graph.call_function(aten.sym_size.int, (a, 0))
+            if per_token:
+                sa = graph.call_function(aten.reshape.default, (x_scale, [-1, 1]))
+            else:
+                sa = graph.call_function(aten.reshape.default, (x_scale, [1, 1]) if per_channel else (x_scale, []))
+                if per_channel:
+                    sa = graph.call_function(aten.repeat.default, (sa, [rows, 1]))  # contiguous [M, 1]
+            name = f"{w_scale.target}_row"
+            if not hasattr(gm, name):
+                gm.register_buffer(name, wscale.reshape(1, -1).contiguous() if per_channel else wscale.reshape(()))
+            sb = graph.get_attr(name)
+            if per_token and not per_channel:
+                sb = graph.call_function(aten.repeat.default, (
+                    graph.call_function(aten.reshape.default, (sb, [1, 1])), [1, n_out]))
+            out_dtype = torch.bfloat16 if device == "cuda" and (per_token or per_channel) else torch.float32
+            mm_bias = bias if out_dtype == torch.float32 else None
+            mm = graph.call_function(aten._scaled_mm.default, (a, b, sa, sb),
+                                     {"bias": mm_bias, "out_dtype": out_dtype})
+            out = mm
+            if out_dtype != torch.float32:
+                out = graph.call_function(aten._to_copy.default, (mm,), {"dtype": torch.float32})
+                if bias is not None:
+                    out = graph.call_function(aten.add.Tensor, (out, bias))
+            lead = [graph.call_function(aten.sym_size.int, (x_q, i)) if not isinstance(out_val.shape[i], int)
+                    else int(out_val.shape[i]) for i in range(out_val.dim() - 1)]
+            out = graph.call_function(aten.reshape.default, (out, lead + [n_out]))
+        out.meta.update({k_: v for k_, v in node.meta.items() if k_ != "val"})
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        count += 1
+    graph.eliminate_dead_code()
+    _drop_unused_attrs(gm)
+    graph.lint()
+    gm.recompile()
+    return {"fp8_linear": count}
+
+
+def _drop_unused_attrs(gm: GraphModule) -> None:
+    used = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    for name in [n for n, _ in gm.named_buffers(recurse=False)]:
+        if name not in used and name.startswith("_qk_scale_"):
+            delattr(gm, name)

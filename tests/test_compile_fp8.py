@@ -1,0 +1,73 @@
+"""FP8 lowering: FP8 linears become torch._scaled_mm (op counts) with the reference q/dq
+graph's numerics (SQNR), eagerly for every scale layout and through quantkit.compile."""
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+
+import quantkit
+from quantkit._qmath import sqnr
+from quantkit.lowering._fp8 import lower_fp8
+from quantkit.quantizers import FP8Quantizer
+from tests.models import make_transformer
+
+_AO = torch.ops.torchao
+_LAYOUTS = {  # activation scales x weight scales
+    "static-tensor x channel": {},
+    "static-tensor x tensor": {"weight_granularity": "per-tensor"},
+    "token x channel": {"dynamic": True, "granularity": "per-token"},
+    "token x tensor": {"dynamic": True, "granularity": "per-token", "weight_granularity": "per-tensor"},
+    "dynamic-tensor x channel": {"dynamic": True},
+}
+
+
+@pytest.fixture(scope="module")
+def block():
+    model, x = make_transformer(d=32)
+    return model, x[:8], quantkit.capture(model, (x[:4],))
+
+
+def _converted(block, kwargs):
+    _, x, gm = block
+    prepared = quantkit.prepare(gm, FP8Quantizer(**kwargs))
+    quantkit.calibrate(prepared, [x[:4], x[4:]], progress=False)
+    return quantkit.convert(prepared)
+
+
+def _ops(gm) -> Counter:
+    return Counter(n.target for n in gm.graph.nodes if n.op == "call_function")
+
+
+@pytest.mark.parametrize("kwargs", list(_LAYOUTS.values()), ids=list(_LAYOUTS))
+def test_fp8_linears_become_scaled_mm(block, kwargs):
+    _, x, _ = block
+    conv = _converted(block, kwargs)
+    lowered = copy.deepcopy(conv)
+    assert lower_fp8(lowered) == {"fp8_linear": 4}
+    ops = _ops(lowered)
+    assert ops[torch.ops.aten._scaled_mm.default] == 4 and ops[torch.ops.aten.linear.default] == 0
+    # the weights' float8 dequantizes are gone; the activations' float8 quantizes feed _scaled_mm
+    assert ops[_AO.dequantize_affine_float8_non_decomposed.default] == \
+        _ops(conv)[_AO.dequantize_affine_float8_non_decomposed.default] - 8
+    weights = [b for n, b in lowered.named_buffers() if n.startswith("_frozen_param")]
+    assert len(weights) == 4 and all(w.dtype == torch.float8_e4m3fn for w in weights)
+    x2 = torch.randn(3, 16, 32)
+    with torch.no_grad():
+        for inp in (x, x2):  # another batch size: the reshapes follow the batch
+            db = sqnr(conv(inp), lowered(inp))
+            assert db >= 40, f"_scaled_mm vs reference q/dq: {db:.1f} dB"
+
+
+@pytest.mark.parametrize("kwargs", [_LAYOUTS["static-tensor x channel"], _LAYOUTS["token x tensor"]],
+                         ids=["static", "dynamic-per-token"])
+def test_quantkit_compile_runs_fp8_as_scaled_mm(block, kwargs):
+    _, x, _ = block
+    conv = _converted(block, kwargs)
+    compiled = quantkit.compile(conv)
+    with torch.no_grad():
+        db = sqnr(conv(x), compiled(x))
+    assert compiled._orig_mod.meta["quantkit_lowering"]["fp8_linear"] == 4
+    assert db >= 40, f"compiled FP8 vs reference q/dq: {db:.1f} dB"
+    assert quantkit.compile(conv, cpu_kernels="reference")._orig_mod.meta["quantkit_lowering"].get("fp8_linear", 0) == 0
