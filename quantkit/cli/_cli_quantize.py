@@ -19,6 +19,7 @@ from ..export import _artifact
 from . import _cli_data as datasets, _cli_inputs as inputs, _cli_report as report, _distributed as torchrun
 from .._errors import QuantkitError
 from ._cli_weight_only import WeightOnlyRecipe, check_weight_algorithm
+from ._cli_fp8 import FP8Recipe
 
 __all__ = ["Scheme", "Recipe", "run_quantize", "REPORT_JSON", "REPORT_MD", "TOKENIZER_DIR"]
 
@@ -37,6 +38,9 @@ class Scheme(str, Enum):
     W4A16 = "w4a16"  # int4 weights, asymmetric, groups of 128 input features
     W8A16 = "w8a16"  # int8 weights, symmetric, per output channel
     NF4 = "nf4"  # NF4 codes with per-group absmax scales, groups of 64
+    # FP8 (E4M3 weights and activations): quantizers.FP8Quantizer, see cli/_cli_fp8.py
+    FP8 = "fp8"  # static E4M3 activations per tensor
+    FP8_DYNAMIC = "fp8-dynamic"  # E4M3 activations per token at run time
 
     @property
     def dynamic(self) -> bool:
@@ -95,12 +99,17 @@ class Recipe:
     accuracy_budget: float | None = None
     metric: str = "cosine"
     weight_only: WeightOnlyRecipe | None = None  # --scheme w4a16 | w8a16 | nf4
+    fp8: FP8Recipe | None = None  # --scheme fp8 | fp8-dynamic [--kv-cache]
     weight_algorithm: str = "rtn"  # --algorithm for the W8A8 schemes (QuantConfig.weight_algorithm)
 
     @staticmethod
     def from_args(args) -> "Recipe":
         """Resolve ``--scheme`` against the explicit flags; conflicting combinations are usage errors."""
         dynamic, granularity = args.dynamic, args.granularity
+        fp8 = FP8Recipe.from_args(args)
+        if fp8 is not None:
+            return Recipe(skip=tuple(args.skip or ()), smoothquant=args.smoothquant,
+                          accuracy_budget=args.accuracy_budget, metric=args.metric, fp8=fp8)
         weight_only = WeightOnlyRecipe.from_args(args)
         if weight_only is not None:
             return Recipe(observer=args.observer or "minmax", weight_observer=args.weight_observer,
@@ -171,11 +180,17 @@ class Recipe:
         """The :class:`Scheme` shorthand this recipe's activation settings amount to, if any."""
         if self.weight_only is not None:
             return self.weight_only.scheme
+        if self.fp8 is not None:
+            return self.fp8.scheme
         if not self.dynamic:
             return Scheme.W8A8.value
         return (Scheme.W8A8_PER_TOKEN if self.granularity == "per-token" else Scheme.W8A8_DYNAMIC).value
 
     def to_json(self) -> dict:
+        if self.fp8 is not None:
+            return {**self.fp8.to_json(), "skip": list(self.skip), "smoothquant": self.smoothquant,
+                    "accuracy_budget": self.accuracy_budget,
+                    "metric": self.metric if self.accuracy_budget is not None else None}
         if self.weight_only is not None:
             return {**self.weight_only.to_json(), "skip": list(self.skip), "smoothquant": self.smoothquant,
                     "accuracy_budget": self.accuracy_budget,
@@ -207,6 +222,8 @@ class Recipe:
 
         if self.weight_only is not None:
             return self.weight_only.quantizer(self.skipped(module_names))
+        if self.fp8 is not None:
+            return self.fp8.quantizer(self.skipped(module_names))
         w8a8 = W8A8Quantizer(self.config())
         embeddings = EmbeddingQuantizer()
         for name in self.skipped(module_names):

@@ -321,6 +321,10 @@ def render_table(rows: list[dict], columns: list[str]) -> str:
 
 def describe_recipe(r: dict) -> str:
     """One sentence naming a recipe's choices (report.md, inspect)."""
+    if r.get("fp8"):
+        from ._cli_fp8 import describe_fp8
+
+        return describe_fp8(r)
     if r.get("weight_only"):
         from ._cli_weight_only import describe_weight_only
 

@@ -79,11 +79,16 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
     data.add_argument("--skip-nonfinite", action="store_true",
                       help="leave out samples holding NaN or inf (counted in the report) instead of failing")
     recipe = q.add_argument_group("recipe (the fields of quantkit.quantizers.QuantConfig)")
-    recipe.add_argument("--scheme", choices=["w8a8", "w8a8-dynamic", "w8a8-per-token", "w4a16", "w8a16", "nf4"],
+    recipe.add_argument("--scheme", choices=["w8a8", "w8a8-dynamic", "w8a8-per-token", "w4a16", "w8a16", "nf4",
+                                             "fp8", "fp8-dynamic"],
                         help="shorthand: w8a8 (static, calibrated activations; the default), w8a8-dynamic "
                              "(= --dynamic) or w8a8-per-token (= --dynamic --granularity per-token); weight-only, "
                              "float activations: w4a16 (int4, asymmetric, groups of 128), w8a16 (int8 per channel) "
-                             "or nf4 (NF4, groups of 64)")
+                             "or nf4 (NF4, groups of 64); FP8 (E4M3 weights and activations): fp8 (static) or "
+                             "fp8-dynamic (per token)")
+    recipe.add_argument("--kv-cache", choices=["fp8_e4m3", "fp8_e5m2", "int8"],
+                        help="FP8 schemes: calibrated per-tensor scales for every attention's keys and values "
+                             "(q/dq on K after rotary, and on V), recorded in quantization.json")
     recipe.add_argument("--group-size", type=int, metavar="N",
                         help="weight-only schemes: input features per scale (default 128 for w4a16, 64 for nf4, "
                              "one per output channel for w8a16)")

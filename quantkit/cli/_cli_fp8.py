@@ -1,0 +1,87 @@
+"""``quantkit quantize --scheme fp8 | fp8-dynamic [--kv-cache FORMAT]``: the FP8 recipes of the command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import _cli_inputs as inputs
+
+__all__ = ["FP8Recipe", "FP8_SCHEMES", "describe_fp8"]
+
+# --scheme -> FP8Quantizer(dynamic, granularity): static E4M3 activations calibrated per tensor,
+# or E4M3 activations quantized per token at run time; E4M3 weights per output channel either way
+FP8_SCHEMES = {"fp8": (False, "per-tensor"), "fp8-dynamic": (True, "per-token")}
+
+
+@dataclass(frozen=True)
+class FP8Recipe:
+    """The FP8 choices of one ``quantize`` run (see ``quantizers.FP8Quantizer``)."""
+
+    scheme: str
+    observer: str = "minmax"
+    kv_cache: str | None = None
+    ops: tuple[str, ...] = ("linear", "matmul")
+
+    @staticmethod
+    def from_args(args) -> "FP8Recipe | None":
+        """The FP8 recipe ``--scheme`` asks for, or None; ``--kv-cache`` without it, or flags that
+        mean something only for the int8 recipes, are usage errors."""
+        scheme, kv = args.scheme, getattr(args, "kv_cache", None)
+        if scheme not in FP8_SCHEMES:
+            if kv is not None:
+                raise inputs.UsageError("--kv-cache applies to the FP8 schemes; add --scheme fp8 or fp8-dynamic, "
+                                        "or drop it")
+            return None
+        dynamic, _ = FP8_SCHEMES[scheme]
+        int8_only = (("--activation", args.activation), ("--granularity", args.granularity),
+                     ("--dynamic", args.dynamic), ("--algorithm", getattr(args, "algorithm", None)))
+        for flag, value in int8_only:
+            if value is not None and value is not False:
+                raise inputs.UsageError(f"{flag} has no effect with --scheme {scheme} (E4M3 activations, "
+                                        f"{'per token at run time' if dynamic else 'static per tensor'}); drop it")
+        if args.weight_observer != "per_channel_minmax":
+            raise inputs.UsageError(f"--weight-observer has no effect with --scheme {scheme} (E4M3 weights, "
+                                    "amax / 448 per output channel); drop it")
+        if dynamic and args.observer is not None:
+            raise inputs.UsageError("--observer has no effect with --scheme fp8-dynamic (scales are chosen at run "
+                                    "time); drop it")
+        ops = ("linear", "matmul")
+        if args.ops is not None:
+            ops = tuple(sorted({o.strip() for o in args.ops.split(",") if o.strip()}))
+        recipe = FP8Recipe(scheme, args.observer or "minmax", kv, ops)
+        try:
+            recipe.quantizer([])
+        except ValueError as exc:
+            raise inputs.UsageError(str(exc).splitlines()[0].replace("act_observer", "--observer")) from None
+        return recipe
+
+    def quantizer(self, skipped: list[str]):
+        """FP8 linears/matmuls plus int8 embeddings (as the other recipes); ``skipped`` modules stay float."""
+        from torchao.quantization.pt2e.quantizer import ComposableQuantizer
+
+        from quantkit.quantizers import EmbeddingQuantizer, FP8Quantizer
+
+        dynamic, granularity = FP8_SCHEMES[self.scheme]
+        fp8 = FP8Quantizer(dynamic=dynamic, granularity=granularity, kv_cache=self.kv_cache,
+                           act_observer=self.observer, ops=frozenset(self.ops))
+        embeddings = EmbeddingQuantizer()
+        for name in skipped:
+            fp8.set_module_name(name, None)
+            embeddings.set_module_name(name, None)
+        return ComposableQuantizer([embeddings, fp8])
+
+    def to_json(self) -> dict:
+        dynamic, granularity = FP8_SCHEMES[self.scheme]
+        return {"scheme": self.scheme, "fp8": True, "activation": "float8_e4m3fn", "dynamic": dynamic,
+                "granularity": granularity, "ops": list(self.ops), "observer": None if dynamic else self.observer,
+                "weights": "float8_e4m3fn per channel", "weight_observer": "per_channel_minmax",
+                "kv_cache": self.kv_cache, "embeddings": "int8 per row"}
+
+
+def describe_fp8(r: dict) -> str:
+    """One sentence naming an FP8 recipe (report.md, inspect)."""
+    act = ("E4M3 activations per token at run time" if r.get("dynamic")
+           else f"static E4M3 activations (observer `{r.get('observer')}`)")
+    kv = f", KV cache {r.get('kv_cache')}" if r.get("kv_cache") else ""
+    return (f"scheme `{r.get('scheme')}`: E4M3 weights (amax / 448 per channel), {act}{kv}, "
+            f"ops {', '.join(r.get('ops') or [])}, int8 embeddings")

@@ -1,0 +1,67 @@
+"""quantkit quantize --scheme fp8 | fp8-dynamic [--kv-cache FORMAT] (FP8 recipes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import quantkit
+from quantkit.cli import main
+
+
+@pytest.fixture
+def mlp_inputs(tmp_path):
+    from safetensors.torch import save_file
+
+    from tests.cli_factories import mlp
+
+    torch.manual_seed(1)
+    weights = tmp_path / "mlp.safetensors"
+    save_file(mlp().state_dict(), str(weights))  # 64 -> 128 -> 128 -> 32 linears
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    torch.save(torch.randn(24, 64, generator=torch.Generator().manual_seed(0)), calib / "b.pt")
+    return weights, calib
+
+
+def _args(weights, calib, out, *extra):
+    return ["quantize", "tests.cli_factories:mlp", "--weights", str(weights), "--example-input", "8x64:float32",
+            "--calib", str(calib), "--out", str(out), "--quiet", *extra]
+
+
+def test_fp8_scheme_writes_float8_weights_and_records_the_recipe(mlp_inputs, tmp_path):
+    weights, calib = mlp_inputs
+    out = tmp_path / "out"
+    assert main(_args(weights, calib, out, "--scheme", "fp8", "--kv-cache", "fp8_e4m3")) == 0
+    doc = json.loads((out / "quantization.json").read_text())
+    recipe = doc["recipe"]
+    assert (recipe["scheme"], recipe["fp8"], recipe["dynamic"], recipe["kv_cache"]) == ("fp8", True, False, "fp8_e4m3")
+    weights_ = [t for t in doc["tensors"] if t["kind"] == "weight"]
+    assert len(weights_) == 3 and all(t["dtype"] == "float8_e4m3fn" for t in weights_)
+    report = json.loads((out / "report.json").read_text())
+    assert report["metric"]["mean_cosine"] > 0.99, report["metric"]
+    assert "E4M3 weights" in (out / "report.md").read_text()
+    qmodel = quantkit.load(out)
+    f8 = [t for t in qmodel.state_dict().values() if t.dtype == torch.float8_e4m3fn]
+    assert len(f8) == 3
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--kv-cache", "int8"], "--kv-cache applies to the FP8 schemes"),
+    (["--scheme", "fp8", "--dynamic"], "--dynamic has no effect with --scheme fp8"),
+    (["--scheme", "fp8-dynamic", "--observer", "mse"], "--observer has no effect with --scheme fp8-dynamic"),
+    (["--scheme", "fp8", "--observer", "kl"], "cannot search an FP8 range"),
+    (["--scheme", "fp8", "--activation", "symmetric-int8"], "--activation has no effect with --scheme fp8"),
+    (["--scheme", "fp8", "--kv-cache", "fp4"], "invalid choice: 'fp4'"),
+])
+def test_fp8_usage_errors(mlp_inputs, tmp_path, capsys, extra, message):
+    weights, calib = mlp_inputs
+    out = tmp_path / "out"
+    capsys.readouterr()
+    rc = main(_args(weights, calib, out, *extra))
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert message in err and err.count("\n") == 1, err
+    assert not out.exists()
