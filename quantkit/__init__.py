@@ -30,6 +30,7 @@ from .pipeline._qat import prepare_qat
 from .accuracy._sensitivity import sensitivity
 from .accuracy._fallback import auto_fallback
 from .accuracy._smoothquant import smooth_quant
+from .accuracy._autotune import autotune
 from . import debug, metrics
 
 __version__ = "0.1.0"
@@ -51,6 +52,7 @@ __all__ = [
     "sensitivity",
     "auto_fallback",
     "smooth_quant",
+    "autotune",
     "QuantkitError",
     "CaptureError",
     "CalibrationError",

@@ -10,6 +10,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # subprocesses the tests start (CLI runs, torchrun) must import the same quantkit as the tests:
 # with this, `python -c ...` run in the repository does not put the source folders first (3.11+)
 os.environ.setdefault("PYTHONSAFEPATH", "1")
+# autotune's compiled-latency cache: one per test session (shared by its CLI subprocesses), never ~/.cache
+if "QUANTKIT_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["QUANTKIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="quantkit-test-cache-")
 logging.getLogger("torchao").setLevel(logging.ERROR)
 
 REPO = Path(__file__).resolve().parents[1]

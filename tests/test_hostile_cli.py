@@ -137,7 +137,7 @@ def mlp_files(tmp_path_factory):
 
 
 def _mlp_args(weights, calib, out, *extra, factory="tests.cli_factories:mlp"):
-    return ["quantize", factory, "--weights", str(weights), "--example-input", "8x64:float32",
+    return ["quantize", factory, "--recipe", "static", "--weights", str(weights), "--example-input", "8x64:float32",
             "--calib", str(calib), "--out", str(out), "--quiet", *extra]
 
 

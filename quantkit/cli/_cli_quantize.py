@@ -16,6 +16,7 @@ from pathlib import Path
 
 
 from ..export import _artifact
+from . import _cli_autotune
 from . import _cli_data as datasets, _cli_inputs as inputs, _cli_report as report, _distributed as torchrun
 from .._errors import QuantkitError
 from ._cli_weight_only import WeightOnlyRecipe, check_weight_algorithm
@@ -309,6 +310,7 @@ def _batches(samples, origins, indices, loaded, *, what, seq_len, batch_size, de
 
 def run_quantize(args, say) -> int:
     recipe = Recipe.from_args(args)
+    autos = _cli_autotune.requested(args)  # None: a hand-written recipe
     spec, data, out, device = _check(args, recipe)
     from . import _cli_sequential  # --max-memory the model does not fit, --sequential, --resume
 
@@ -349,6 +351,12 @@ def run_quantize(args, say) -> int:
         else:
             gm = quantkit.capture(loaded.model, tuple(x.to(device) for x in loaded.example))
     t = clock.lap("capture", t)
+    tuned = None
+    if autos is not None:  # --recipe auto|NAME: choose the recipe, then build it below as if flagged
+        recipe, tuned = _cli_autotune.choose(args, recipe, loaded, gm, calib, heldout, heldout_origins,
+                                             module_names, progress, autos)
+        quantizer = recipe.quantizer(module_names)
+        t = clock.lap("autotune", t)
     if recipe.smoothquant is not None:
         gm = quantkit.smooth_quant(gm, calib, alpha=recipe.smoothquant, config=recipe.config())
         t = clock.lap("smoothquant", t)
@@ -417,6 +425,8 @@ def run_quantize(args, say) -> int:
         }
         if loaded.fit is not None and not loaded.fit.clean:
             rep["weights_not_loaded"] = loaded.fit.to_json()
+        if tuned is not None:
+            rep["autotune"] = tuned
         if fallback is not None:
             rep["fallback"] = {"kept_float": [layer.label for layer in fallback.float_layers],
                                "drop": fallback.drop, "budget": fallback.budget, "met": fallback.met,
@@ -428,7 +438,9 @@ def run_quantize(args, say) -> int:
     say(f"wrote {out}: {metric['name']} mean {metric['mean_cosine']:.4f} (min {metric['min_cosine']:.4f}){extra} "
         f"on {metric['samples']} held-out samples, size {rep['size']['ratio']:.3f}x fp32, "
         f"{clock.times['total']:.0f} s{note}")
-    return 0
+    if tuned is not None:
+        say("  " + _cli_autotune.summary_line(tuned))
+    return _cli_autotune.exit_code(args, tuned)
 
 
 def _describe(spec: inputs.ModelSpec, loaded: inputs.LoadedModel) -> str:

@@ -355,6 +355,10 @@ def render_report(report: dict) -> str:
         f"(held out: {d['heldout_samples']}), skipped: {', '.join(r['skip']) or 'nothing'}.",
         "",
     ]
+    if report.get("autotune"):  # --recipe auto|NAME (cli/_cli_autotune.py)
+        from ._cli_autotune import render
+
+        lines += render(report["autotune"])
     if d.get("nonfinite_skipped"):
         lines += [f"{d['nonfinite_skipped']} samples holding NaN or inf were left out (--skip-nonfinite), "
                   f"e.g. {', '.join(d['nonfinite_examples'])}.", ""]

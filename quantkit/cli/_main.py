@@ -79,6 +79,9 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
     data.add_argument("--skip-nonfinite", action="store_true",
                       help="leave out samples holding NaN or inf (counted in the report) instead of failing")
     recipe = q.add_argument_group("recipe (the fields of quantkit.quantizers.QuantConfig)")
+    from ._cli_autotune import add_arguments as _autotune_arguments
+
+    _autotune_arguments(recipe)  # --recipe auto|NAME, --target, --strict
     recipe.add_argument("--scheme", choices=["w8a8", "w8a8-dynamic", "w8a8-per-token", "w4a16", "w8a16", "nf4",
                                              "fp8", "fp8-dynamic"],
                         help="shorthand: w8a8 (static, calibrated activations; the default), w8a8-dynamic "

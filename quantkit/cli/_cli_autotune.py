@@ -1,0 +1,234 @@
+"""``quantkit quantize --recipe auto|NAME --target VALUE --strict``: choose the recipe.
+
+``auto`` (the default when no recipe flag is given) runs :func:`quantkit.accuracy._autotune.search`
+over the recipes, scoring each on the command's held-out split with the report's own metric
+(held-out mean cosine; top-1 agreement for classifiers), and returns the winner as an explicit
+:class:`~quantkit.cli._cli_quantize.Recipe` (a float fallback becomes ``--skip`` patterns), which
+``quantize`` then builds as if its flags had been given: quantization.json records a recipe that
+reproduces the artifact without a search.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["add_arguments", "requested", "choose", "exit_code", "summary_line", "render"]
+
+RECIPE_HELP = ("auto (default when no other recipe flag is given): the fastest recipe that meets --target on the "
+               "held-out split, measured; or force one: static, static-smoothquant, histogram, per-token, "
+               "per-token-smoothquant, fallback (gptq where available)")
+# flags that spell out a recipe by hand: with them, no search runs (and --recipe conflicts)
+_MANUAL = (("scheme", "--scheme"), ("activation", "--activation"), ("dynamic", "--dynamic"),
+           ("granularity", "--granularity"), ("observer", "--observer"), ("smoothquant", "--smoothquant"),
+           ("accuracy_budget", "--accuracy-budget"))
+
+
+def add_arguments(group) -> None:
+    group.add_argument("--recipe", metavar="auto|NAME", help=RECIPE_HELP)
+    group.add_argument("--target", type=float, metavar="VALUE",
+                       help="--recipe auto: the held-out score to reach (default: mean cosine 0.999; top-1 "
+                            "agreement 0.99 for classifiers)")
+    group.add_argument("--strict", action="store_true",
+                       help="exit non-zero when no recipe meets --target (the best one is still written)")
+
+
+def requested(args) -> list | None:
+    """The recipes to try (``[one]`` when forced), or None for a hand-written recipe."""
+    from . import _cli_inputs as inputs
+
+    name = getattr(args, "recipe", None)
+    target = getattr(args, "target", None)
+    if target is not None and not 0 < target <= 1:  # held-out cosine and top-1 agreement lie in [-1, 1]
+        raise inputs.UsageError(f"--target must be in (0, 1] (a held-out mean cosine or top-1 agreement), got {target:g}")
+    manual = [flag for attr, flag in _MANUAL if getattr(args, attr, None) not in (None, False)]
+    if name is None and manual:
+        if getattr(args, "target", None) is not None or getattr(args, "strict", False):
+            raise inputs.UsageError(f"--target/--strict apply to --recipe auto, not to {manual[0]}; drop one of them")
+        return None
+    if manual:
+        raise inputs.UsageError(f"--recipe {name} conflicts with {manual[0]} (a hand-written recipe); drop one of them")
+    from quantkit.accuracy._autotune import RECIPES
+
+    name = (name or "auto").strip().lower()
+    if name == "auto":
+        return list(RECIPES.values())
+    if name not in RECIPES:
+        raise inputs.UsageError(f"unknown --recipe {name!r}; use auto or one of {', '.join(RECIPES)}")
+    if getattr(args, "target", None) is not None and name != "fallback":
+        raise inputs.UsageError(f"--target applies to --recipe auto (or fallback), not to --recipe {name}; drop it")
+    return [RECIPES[name]]
+
+
+class _HeldOut:
+    """The report's held-out metric (``compare_models``: per-sample cosine of sentence embeddings,
+    logits or outputs; top-1 agreement) as an evaluator with ``reference``, ``score``, ``data``;
+    the float model's rows are computed once."""
+
+    def __init__(self, float_model, batches, origins, key: str, kind: str) -> None:
+        import torch
+
+        from quantkit.pipeline._inputs import call_model
+
+        from . import _cli_report as report
+
+        self.data, self.key, self.kind = batches, key, kind
+        self.reference = 1.0  # cosine / agreement of the float model with itself
+        self.refs = []
+        with torch.no_grad():
+            for b, where in zip(batches, origins):
+                ref, owner = report._rows(kind, call_model(float_model, b), b)
+                real = owner < len(where)  # rows past the batch's samples pad it to a static shape
+                self.refs.append((ref[real], owner[real], real, len(where)))
+
+    def score(self, model) -> float:
+        import torch
+
+        from quantkit.pipeline._inputs import call_model
+
+        from . import _cli_report as report
+
+        sc = report._Score()
+        with torch.no_grad():
+            for b, (ref, owner, real, n) in zip(self.data, self.refs):
+                approx = report._rows(self.kind, call_model(model, b), b)[0][real]
+                if not bool(torch.isfinite(approx).all()):
+                    return float("-inf")
+                sc.add(ref, approx, owner, n, top1=self.kind in (report.LOGITS, report.TOKEN_LOGITS))
+        return float(sc.result(self.kind)[self.key])
+
+    def head(self, n: int) -> "_HeldOut":
+        """The same metric on the first ``n`` batches (ranks layers cheaply)."""
+        out = object.__new__(_HeldOut)
+        out.data, out.refs, out.key, out.kind, out.reference = self.data[:n], self.refs[:n], self.key, self.kind, 1.0
+        return out
+
+
+def _as_cli(auto, base, skip=()):
+    """The CLI recipe of an autotune recipe, keeping the user's --ops, --skip and --weight-observer."""
+    return dataclasses.replace(base, activation=None, dynamic=auto.dynamic, granularity=auto.granularity,
+                               observer="minmax" if auto.dynamic else auto.act_observer,
+                               smoothquant=auto.smoothquant, accuracy_budget=None,
+                               skip=tuple(base.skip) + tuple(s for s in skip if s not in base.skip))
+
+
+def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names, progress, recipes):
+    """Search (or build the forced recipe); returns ``(chosen CLI Recipe, report dict)``."""
+    import quantkit
+    from quantkit.accuracy import _autotune as at, _latency
+    from quantkit.pipeline._inputs import call_model
+    from quantkit.pipeline._variants import Variants
+
+    from . import _cli_report as report
+
+    import torch
+
+    if len(recipes) == 1 and not recipes[0].fallback:  # forced: nothing to search, quantize builds it
+        return _as_cli(recipes[0], base), {"mode": "forced", "chosen": recipes[0].name, "met": None,
+                                           "reason": f"forced with --recipe {recipes[0].name}", "trials": []}
+    with torch.no_grad():
+        kind = report.output_kind(call_model(loaded.model, heldout[0]), heldout[0])
+    key, default = ("top1_agreement", at.DEFAULT_TARGETS["top1"]) if kind == report.LOGITS else \
+        ("mean_cosine", at.DEFAULT_TARGETS["cosine"])
+    target = args.target if args.target is not None else default
+    evaluator = _HeldOut(loaded.model, heldout, heldout_origins, key, kind)
+    smoothed: dict = {}
+    cli_of: dict[str, object] = {}
+
+    def graph_for(auto, cli):
+        if auto.smoothquant is None:
+            return gm
+        k = (auto.smoothquant, auto.lowering)
+        if k not in smoothed:
+            smoothed[k] = quantkit.smooth_quant(gm, calib, alpha=cli.smoothquant, config=cli.config())
+        return smoothed[k]
+
+    def evaluate(auto, trials):
+        if auto.fallback:
+            b = at._best_static(trials)
+            cli = _as_cli(b, base)
+            variants = Variants(graph_for(b, cli), None, calib, cli.quantizer(module_names))
+            q, keep, score = at.fallback_search(variants, evaluator, evaluator.reference - target,
+                                                rank_evaluator=evaluator.head(1), progress=progress)
+            layers = [layer for layer in variants.layers if layer.name in keep]
+            skip = sorted({layer.module for layer in layers if layer.module})
+            if len(skip) < len(layers):  # a top-level op has no module to name with --skip
+                raise ValueError("a sensitive layer has no module name to keep float with --skip")
+            cli_of[auto.name] = _as_cli(b, base, skip)
+            return q, score, {"base": b.name, "float_layers": [layer.label for layer in layers]}
+        cli = _as_cli(auto, base)
+        prepared = quantkit.prepare(graph_for(auto, cli), cli.quantizer(module_names))
+        quantkit.calibrate(prepared, calib, progress=False)
+        q = quantkit.convert(prepared)
+        cli_of[auto.name] = cli
+        return q, evaluator.score(q), {}
+
+    auto_mode = len(recipes) > 1
+    meter = _latency.Meter(gm, calib[0]) if auto_mode else None
+    say = (lambda s: print(s, flush=True)) if progress else None
+    qmodel, trials, best, reason = at.search(
+        recipes, evaluate, target,
+        latency=(lambda r, q: meter.int8(q, r.lowering)) if meter else None,
+        lower_bound=(lambda r: meter.kind(r.lowering, lambda: at._quick(r, gm, calib[0], calib))) if meter else None,
+        say=say)
+    chosen = trials[best]
+    speed = {}
+    if meter is not None:
+        try:
+            if chosen.latency_ms is None:
+                chosen.latency_ms = meter.int8(qmodel, at.RECIPES[chosen.recipe].lowering)
+            speed = {"int8_ms": chosen.latency_ms, **meter.floats(loaded.model)}
+            speed["vs_fp32"] = round(speed["fp32_ms"] / speed["int8_ms"], 2)
+            speed["vs_bf16"] = round(speed["bf16_ms"] / speed["int8_ms"], 2)
+        except Exception as exc:  # report, don't fail: the artifact stands without the timing
+            speed = {"error": " ".join(str(exc).split())[:150] or type(exc).__name__}
+    doc = {"mode": "auto" if auto_mode else "forced", "metric": key, "target": target,
+           "chosen": chosen.recipe, "met": chosen.status == "met", "reason": reason,
+           "trials": [dataclasses.asdict(t) for t in trials], "speed": speed,
+           "latency_note": "compiled (quantkit.compile / Inductor freezing), median ms per call on one "
+                           "calibration batch, cached in " + str(_latency.cache_path())}
+    if not auto_mode:
+        doc["reason"] = f"forced with --recipe {chosen.recipe}"
+        doc["met"] = chosen.score is not None and chosen.score >= target
+    return cli_of[chosen.recipe], doc
+
+
+def summary_line(doc: dict) -> str:
+    if not doc["trials"]:
+        return f"recipe {doc['chosen']} ({doc['reason']})"
+    s = doc.get("speed") or {}
+    speed = (f"; compiled {s['int8_ms']:.1f} ms per batch = {s['vs_fp32']:.2f}x fp32, {s['vs_bf16']:.2f}x bf16"
+             if "vs_fp32" in s else "")
+    return f"recipe {doc['chosen']} ({doc['reason']}){speed}"
+
+
+def exit_code(args, doc: dict | None) -> int:
+    """Non-zero only with --strict when the target is not met (the artifact is written either way)."""
+    if doc is None or doc["met"] is not False:
+        return 0
+    msg = (f"warning: no recipe meets --target {doc['target']:g} ({doc['metric']}); wrote the best, "
+           f"{doc['chosen']}, anyway")
+    print(msg + ("; failing because of --strict" if args.strict else "; pass --strict to make this an error"))
+    return 1 if args.strict else 0
+
+
+def render(doc: dict) -> list[str]:
+    """report.md lines for the recipe search."""
+    from ._cli_report import render_table
+
+    if not doc["trials"]:
+        return [f"Recipe {doc['chosen']}: {doc['reason']}.", ""]
+    rows = [{"recipe": t["recipe"], doc["metric"]: "-" if t["score"] is None else t["score"],
+             "compiled ms": "-" if t["latency_ms"] is None else t["latency_ms"], "result": t["status"],
+             "float layers": ", ".join(t["details"].get("float_layers", [])) or "-"} for t in doc["trials"]]
+    lines = ["## Recipe search" if doc["mode"] == "auto" else "## Recipe", "",
+             f"Target: held-out {doc['metric']} >= {doc['target']:g}. Chosen: **{doc['chosen']}** "
+             f"({'met' if doc['met'] else 'NOT met'}): {doc['reason']}.", "",
+             render_table(rows, ["recipe", doc["metric"], "compiled ms", "result", "float layers"]), ""]
+    s = doc.get("speed") or {}
+    if "vs_fp32" in s:
+        lines += [f"Compiled speed of the chosen recipe: {s['int8_ms']:.2f} ms per batch; fp32 {s['fp32_ms']:.2f} ms "
+                  f"(**{s['vs_fp32']:.2f}x**), bf16 {s['bf16_ms']:.2f} ms (**{s['vs_bf16']:.2f}x**). "
+                  f"{doc['latency_note']}.", ""]
+    elif "error" in s:
+        lines += [f"Compiled speed not measured: {s['error']}.", ""]
+    return lines
