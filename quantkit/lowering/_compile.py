@@ -96,7 +96,8 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", float_dtype: s
     gm = copy.deepcopy(converted)
     gm.meta[LOWERING_META_KEY] = lower(gm, target) if target is not None else {}
     if cpu_kernels != "reference" or target is Target.TRITON:  # int4/int8 weight-only linears
-        gm.meta[LOWERING_META_KEY].update(lower_weight_only(gm, "cuda" if target is Target.TRITON else "cpu"))
+        wo = lower_weight_only(gm, "cuda" if target is Target.TRITON else "cpu")
+        gm.meta[LOWERING_META_KEY].update({k: v for k, v in wo.items() if v})  # counts only what it rewrote
     if cpu_kernels != "reference" or target is Target.TRITON:  # FP8 linears: torch._scaled_mm (_fp8.py)
         gm.meta[LOWERING_META_KEY].update(lower_fp8(gm, "cuda" if target is Target.TRITON else "cpu"))
     # int8-mixed-bf16: counts of casts (not around FP8 _scaled_mm: its scales and bias stay float32)
