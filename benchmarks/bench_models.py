@@ -1,5 +1,9 @@
 """CPU model benchmark for issue 4: float eager / float compiled / torchao PT2E int8 / quantkit int8.
 
+Issue 17 adds bf16 compiled (the float model in bf16, Inductor freezing: a CPU user's real
+alternative) and a ratio column against it; quantkit's ``auto`` int8 runs its float ops in bf16
+on CPUs with AVX-512 BF16 / AMX, and the "float ops fp32" row is the same int8 model without that.
+
 Every variant of a model is timed in the same process, interleaved round by round, and
 reported as the median latency and as ratios to fp32 eager, with the SQNR of each int8
 variant against the float output (int8 paths are only worth their speed if they are right;
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import math
 import statistics
 import subprocess
 import sys
@@ -115,13 +120,25 @@ def _torchao(model, inputs, calib):
     return run
 
 
-def _quantkit(model, inputs, calib, cpu_kernels, activation="affine-uint8", ops=None):
+def _quantkit(model, inputs, calib, cpu_kernels, activation="affine-uint8", ops=None, float_dtype="auto"):
     cfg = QuantConfig(activation=activation) if ops is None else QuantConfig(activation=activation, ops=ops)
     p = quantkit.prepare(quantkit.capture(model, inputs), W8A8Quantizer(cfg))
     quantkit.calibrate(p, calib, progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return quantkit.compile(quantkit.convert(p), cpu_kernels=cpu_kernels)
+        return quantkit.compile(quantkit.convert(p), cpu_kernels=cpu_kernels, float_dtype=float_dtype)
+
+
+def _bf16(model):
+    """The float model in bf16, compiled with Inductor freezing (a CPU user's real alternative)."""
+    compiled = torch.compile(copy.deepcopy(model).to(torch.bfloat16))
+
+    def run(*args):
+        args = tuple(a.to(torch.bfloat16) if a.is_floating_point() else a for a in args)
+        with torch._inductor.config.patch(freezing=True), torch.no_grad():
+            return compiled(*args)
+
+    return run
 
 
 def _fresh(inputs):
@@ -136,8 +153,11 @@ def bench(name: str, reps: int) -> list[str]:
     # each int8 flow gets its own copy of the model: export/prepare must not leak between them
     linear = frozenset({"linear"})
     builds = [
+        ("bf16 compiled", lambda: _bf16(model)),
         ("torchao PT2E int8 compiled", lambda: _torchao(copy.deepcopy(model), inputs, calib)),
         ("quantkit int8 compiled (auto)", lambda: _quantkit(copy.deepcopy(model), inputs, calib, "auto")),
+        ("quantkit int8 compiled (auto, float ops fp32)",
+         lambda: _quantkit(copy.deepcopy(model), inputs, calib, "auto", float_dtype="fp32")),
         ("quantkit int8 compiled (onednn forced)", lambda: _quantkit(copy.deepcopy(model), inputs, calib, "onednn")),
         ("quantkit int8 compiled (7-bit act, auto)",
          lambda: _quantkit(copy.deepcopy(model), inputs, calib, "auto", "affine-uint7")),
@@ -174,9 +194,10 @@ def bench(name: str, reps: int) -> list[str]:
                 f(*args)
                 times[k].append(time.perf_counter() - t)
     base = statistics.median(times["fp32 eager"])
+    bf16 = statistics.median(times["bf16 compiled"]) if "bf16 compiled" in times else math.nan
     rows = [f"| {name} | {k} | {statistics.median(v) * 1e3:.2f} | {base / statistics.median(v):.2f}x | "
-            f"{quality[k]} |" for k, v in times.items()]
-    return rows + [f"| {name} | note | {n} | | |" for n in notes]
+            f"{bf16 / statistics.median(v):.2f}x | {quality[k]} |" for k, v in times.items()]
+    return rows + [f"| {name} | note | {n} | | | |" for n in notes]
 
 
 def profile(name: str, reps: int = 3) -> None:
@@ -212,8 +233,9 @@ def main() -> None:
     model_name = next((l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("Model name")), "?")
     print(f"machine: {model_name}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
-    print("| model | variant | median ms | speed vs fp32 eager | SQNR vs float (dB) [/ embedding cosine] |")
-    print("|---|---|---|---|---|")
+    print("| model | variant | median ms | speed vs fp32 eager | speed vs bf16 compiled | "
+          "SQNR vs float (dB) [/ embedding cosine] |")
+    print("|---|---|---|---|---|---|")
     for name in args.models.split(","):
         reps = args.reps or {"mlp": 20, "block": 300, "minilm": 5}[name]
         for row in bench(name, reps):

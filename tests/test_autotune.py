@@ -195,3 +195,36 @@ def test_cli_unreachable_target_writes_the_best_with_a_warning(mlp_files, tmp_pa
     assert tuned["speed"] == {"int8_ms": 2.0, "fp32_ms": 6.0, "bf16_ms": 3.0, "vs_fp32": 3.0, "vs_bf16": 1.5}
     md = (out / "report.md").read_text()
     assert "## Recipe search" in md and "NOT met" in md and "(**3.00x**)" in md
+
+
+def test_latency_cache_is_keyed_by_graph_structure(tmp_path, monkeypatch):
+    from quantkit.accuracy import _latency
+    from quantkit.quantizers import QuantConfig, W8A8Quantizer
+
+    monkeypatch.setenv("QUANTKIT_CACHE_DIR", str(tmp_path))
+    timed = []
+    monkeypatch.setattr(_latency, "_time", lambda fn, inputs, dtype=None: timed.append(fn) or 7.0)
+    monkeypatch.setattr(quantkit.lowering._compile, "compile", lambda q, **kw: q)  # no Inductor here
+    model, x = make_planted()
+    calib = [(x[:64],)]
+    gm = quantkit.capture(model, calib[0])
+    q = {name: quantkit.quantize(gm, calib[0], calib, W8A8Quantizer(cfg), progress=False) for name, cfg in
+         {"minmax": QuantConfig(), "histogram": QuantConfig(act_observer="histogram"),
+          "per-token": QuantConfig(dynamic=True, granularity="per-token")}.items()}
+    meter = _latency.Meter(gm, calib[0])
+    assert meter.int8(q["minmax"], "static") == 7.0 and meter.measured == 1
+    # same ops, other ranges: the same lowered kernels, one measurement
+    assert meter.int8(q["histogram"], "static") == 7.0 and meter.measured == 1
+    assert meter.int8(q["per-token"], "per-token") == 7.0 and meter.measured == 2
+    # a new run recalls both from the file; another input shape is another key
+    again = _latency.Meter(gm, calib[0])
+    again.int8(q["minmax"], "static"), again.int8(q["per-token"], "per-token")
+    assert again.measured == 0 and len(timed) == 2
+    other = _latency.Meter(gm, (x[:32],))
+    other.int8(q["minmax"], "static")
+    assert other.measured == 1
+    doc = json.loads((tmp_path / "latency.json").read_text())
+    assert len(doc) == 3 and all(v == 7.0 for v in doc.values())
+    # per-token has no int8 kernel on CPU: its bound is the compiled fp32 model's latency
+    assert other.kind("per-token", build=lambda: pytest.fail("nothing to build")) == 7.0
+    assert any(k.endswith("|fp32") for k in json.loads((tmp_path / "latency.json").read_text()))

@@ -79,16 +79,13 @@ _ALL = (
 
 
 def _supported(r: AutoRecipe) -> bool:
-    """GPTQ is offered once ``QuantConfig(weight_algorithm="gptq")`` exists for W8A8."""
-    if r.weight_algorithm == "rtn":
-        return True
+    """GPTQ is offered where ``QuantConfig(weight_algorithm="gptq")`` exists (W8A8 weight observers
+    then declare it and ``quantkit.calibrate`` rounds the weights)."""
     try:
         r.config()
     except (TypeError, ValueError):
         return False
-    from quantkit import quantizers
-
-    return bool(getattr(quantizers, "W8A8_WEIGHT_ALGORITHMS", ()) and r.weight_algorithm in quantizers.W8A8_WEIGHT_ALGORITHMS)
+    return True
 
 
 RECIPES: dict[str, AutoRecipe] = {r.name: r for r in _ALL if _supported(r)}

@@ -29,6 +29,10 @@ __all__ = ["Meter", "cache_path", "structure_key"]
 
 # timed calls per model after one warm-up (compile) call, and a wall-clock cap on them
 CALLS, MAX_SECONDS = 5, 10.0
+# kinds of lowering with no int8 GEMM kernel on CPU: quantkit.compile runs their GEMMs in float
+# (per-token activation scales: oneDNN/Inductor have no pattern for them, BENCHMARKS issue 12:
+# 0.57x fp32), so their latency is bounded below by the float model's, measured
+NO_INT8_KERNEL_ON_CPU = ("per-token", "dynamic")
 
 
 def cache_path() -> Path:
@@ -102,6 +106,7 @@ class Meter:
     """
 
     def __init__(self, float_graph: GraphModule, example_inputs: Any, *, cache: bool = True) -> None:
+        self.float_graph = float_graph
         self.inputs = example_inputs
         self.cache = cache
         self.base = "|".join([structure_key(float_graph), _shapes(example_inputs), torch.__version__,
@@ -156,14 +161,21 @@ class Meter:
 
     def kind(self, kind: str, build: Callable[[], GraphModule]) -> float:
         """The latency of a kind of lowering (``"static"``, ``"per-token"``), measuring a quickly
-        built model of that kind when this run has not seen one."""
+        built model of that kind when this run has not seen one; for a kind without int8 kernels
+        on CPU, the compiled float model's latency (a lower bound, and one compile fewer)."""
         if kind not in self.kinds:
-            self.int8(build(), kind)
+            on_cpu = all(t.device.type == "cpu" for t in self.float_graph.parameters())
+            if kind in NO_INT8_KERNEL_ON_CPU and on_cpu:
+                self.kinds[kind] = self.floats(self.float_graph, bf16=False)["fp32_ms"]
+            else:
+                self.int8(build(), kind)
         return self.kinds[kind]
 
-    def floats(self, model: torch.nn.Module) -> dict[str, float]:
+    def floats(self, model: torch.nn.Module, bf16: bool = True) -> dict[str, float]:
         """Median ms of the float model compiled in fp32 and in bf16 (Inductor freezing both)."""
         out = {"fp32_ms": self._cached(f"{self.base}|fp32", lambda: _time(_FrozenFloat(model), self.inputs))}
+        if not bf16:
+            return out
         bf16 = copy.deepcopy(model).to(torch.bfloat16)
         out["bf16_ms"] = self._cached(f"{self.base}|bf16",
                                       lambda: _time(_FrozenFloat(bf16), self.inputs, torch.bfloat16))

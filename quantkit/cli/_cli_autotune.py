@@ -162,13 +162,20 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
         cli_of[auto.name] = cli
         return q, evaluator.score(q), {}
 
+    def _quick(auto):
+        """A model of ``auto``'s kind of lowering, as quantize builds it, calibrated on one batch: for timing."""
+        cli = _as_cli(at.RECIPES["static"] if auto.fallback else auto, base)
+        prepared = quantkit.prepare(gm, cli.quantizer(module_names))
+        quantkit.calibrate(prepared, calib[:1], progress=False)
+        return quantkit.convert(prepared)
+
     auto_mode = len(recipes) > 1
     meter = _latency.Meter(gm, calib[0]) if auto_mode else None
     say = (lambda s: print(s, flush=True)) if progress else None
     qmodel, trials, best, reason = at.search(
         recipes, evaluate, target,
         latency=(lambda r, q: meter.int8(q, r.lowering)) if meter else None,
-        lower_bound=(lambda r: meter.kind(r.lowering, lambda: at._quick(r, gm, calib[0], calib))) if meter else None,
+        lower_bound=(lambda r: meter.kind(r.lowering, lambda: _quick(r))) if meter else None,
         say=say)
     chosen = trials[best]
     speed = {}
