@@ -10,7 +10,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, QuantizationSpec
 
-from quantkit._qmath import default_qrange, is_per_channel
+from quantkit._qmath import default_qrange, dequantize_float8, float8_scale, is_per_channel, quantize_float8
 from quantkit.observers import declared_qscheme
 from quantkit.observers import get as get_observer
 from quantkit.observers._fp8 import Float8DynamicObserver, check_float8_method, float8_observer, kv_cache_observer
@@ -102,6 +102,25 @@ class FP8Config:
     @property
     def activation_dtype(self) -> torch.dtype:
         return torch.float8_e4m3fn
+
+    # what SmoothQuant's alpha search (quantkit.accuracy._smoothquant) scores a candidate with
+    def fake_quant_activations(self, xs: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        """``xs`` ([tokens, K]) after this config's E4M3 activation quantization: per token, dynamic
+        per tensor, or static over the calibrated ``[lo, hi]``."""
+        if self.dynamic and self.granularity is Granularity.PER_TOKEN:
+            amax = xs.abs().amax(-1, keepdim=True)
+        elif self.dynamic:
+            amax = xs.abs().amax()
+        else:
+            amax = torch.maximum(lo.abs(), hi.abs())
+        scale = float8_scale(amax, self.activation_dtype)
+        return dequantize_float8(quantize_float8(xs, scale, self.activation_dtype), scale)
+
+    def fake_quant_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """``w`` ([N, K]) as convert stores it: E4M3, amax / 448 per output channel or per tensor."""
+        amax = w.abs().amax(1, keepdim=True) if self.weight_granularity == "per-channel" else w.abs().amax()
+        scale = float8_scale(amax, torch.float8_e4m3fn)
+        return dequantize_float8(quantize_float8(w, scale, torch.float8_e4m3fn), scale)
 
 
 class FP8Quantizer(W8A8Quantizer):

@@ -169,6 +169,8 @@ def _quantized_acts(xs: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, config
     static per tensor over the calibrated ``[lo, hi]``."""
     from quantkit.quantizers import Granularity
 
+    if hasattr(config, "fake_quant_activations"):  # a config that says how (FP8Config)
+        return config.fake_quant_activations(xs, lo, hi)
     if config.dynamic and config.granularity is Granularity.PER_TOKEN:
         q_ops = torch.ops.quantized_decomposed
         scale, zp = q_ops.choose_qparams_per_token(xs, torch.int8)
@@ -186,6 +188,8 @@ def _quantized_weight(w: torch.Tensor, config) -> torch.Tensor:
     """``w`` fake-quantized by the weight observer ``config`` names (what convert stores)."""
     from quantkit.quantizers import W8A8Quantizer
 
+    if hasattr(config, "fake_quant_weight"):  # a config that says how (FP8Config)
+        return config.fake_quant_weight(w)
     obs = observer_for_spec(W8A8Quantizer.weight_spec(config))
     obs(w)
     scale, zp = obs.calculate_qparams()
@@ -265,7 +269,8 @@ def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | st
         config: the :class:`~quantkit.quantizers.QuantConfig` the result will be quantized
             with (default ``QuantConfig()``: static per-tensor uint8 activations, per-channel
             min-max weights); ``alpha="auto"`` scores each α under it, e.g. per-token
-            activations for ``QuantConfig(dynamic=True, granularity="per-token")``.
+            activations for ``QuantConfig(dynamic=True, granularity="per-token")``; an
+            ``FP8Config`` (``FP8Quantizer(...).global_config``) scores on the E4M3 grid.
 
     Returns:
         The smoothed GraphModule. ``gm.meta["quantkit_smoothquant"]`` lists each
@@ -281,8 +286,8 @@ def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | st
     alpha = _check_alpha(alpha)
     if config is None:
         config = QuantConfig()
-    elif not isinstance(config, QuantConfig):
-        raise TypeError(f"config must be a QuantConfig, got {type(config).__name__}")
+    elif not isinstance(config, QuantConfig) and not hasattr(config, "fake_quant_activations"):
+        raise TypeError(f"config must be a QuantConfig or FP8Config, got {type(config).__name__}")
     data = reiterable(calib_data, "calibration")
     if isinstance(model, GraphModule):
         if model.meta.get("quantkit_prepared") or any(

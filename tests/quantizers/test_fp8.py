@@ -214,3 +214,23 @@ def test_bad_configurations_are_refused_in_one_line(kwargs, match):
     with pytest.raises(ValueError, match=match) as info:
         FP8Quantizer(**kwargs)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("alpha", [0.5, "auto"])
+def test_smoothquant_composes_with_fp8(block, alpha):
+    """smooth_quant (fixed α, or α scored on the E4M3 grid with an FP8Config) then FP8Quantizer:
+    the smoothed float model equals the original, and the FP8 result stays close to it."""
+    model, x = block
+    gm = quantkit.capture(model, (x[:4],))
+    quantizer = FP8Quantizer()
+    smoothed = quantkit.smooth_quant(gm, [x[:4], x[4:]], alpha=alpha, config=quantizer.global_config)
+    with torch.no_grad():
+        ref = model(x)
+        assert torch.allclose(smoothed(x), ref, atol=1e-4)
+    prepared = quantkit.prepare(smoothed, quantizer)
+    quantkit.calibrate(prepared, [x[:4], x[4:]], progress=False)
+    conv = quantkit.convert(prepared)
+    with torch.no_grad():
+        db = quantkit._qmath.sqnr(ref, conv(x))
+    assert db > 30, f"SmoothQuant + FP8 SQNR {db:.1f} dB"
+    assert _counts(conv)[_AO.quantize_affine_float8_non_decomposed.default] > 0
