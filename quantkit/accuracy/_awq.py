@@ -86,10 +86,9 @@ class _RowStats(torch.nn.Module):
 
 
 def _group_error(x: torch.Tensor, weights: list[torch.Tensor], schemes: list[WeightScheme],
-                 s: torch.Tensor | None) -> float:
+                 s: torch.Tensor | None, refs: list[torch.Tensor]) -> float:
     err = 0.0
-    for w, scheme in zip(weights, schemes):
-        ref = x @ w.T
+    for w, scheme, ref in zip(weights, schemes, refs):
         wq = scheme.rtn(w if s is None else w * s)
         out = (x if s is None else x / s) @ wq.T
         err += float((ref - out).double().pow(2).sum())
@@ -100,13 +99,14 @@ def awq_scales(x: torch.Tensor, x_mean_abs: torch.Tensor, weights: list[torch.Te
                schemes: list[WeightScheme], n_grid: int = 20) -> tuple[torch.Tensor | None, float | None]:
     """The per-input-channel scales ``s`` (and the α) with the least output error of the
     linears ``weights`` on the rows ``x``; ``(None, None)`` when no α beats no scaling."""
-    best_s, best_alpha, best = None, None, _group_error(x, weights, schemes, None)
+    refs = [x @ w.T for w in weights]  # the float outputs
+    best_s, best_alpha, best = None, None, _group_error(x, weights, schemes, None, refs)
     base = x_mean_abs.float().clamp(min=1e-4)  # as the reference: scales.clamp(min=1e-4)
     for i in range(n_grid):
         alpha = i / n_grid
         s = base.pow(alpha)
         s = s / (s.max() * s.min()).sqrt()
-        err = _group_error(x, weights, schemes, s)
+        err = _group_error(x, weights, schemes, s, refs)
         if err < best:
             best_s, best_alpha, best = s, alpha, err
     return best_s, best_alpha
