@@ -60,6 +60,16 @@ def test_fp8_linears_become_scaled_mm(block, kwargs):
             assert db >= 40, f"_scaled_mm vs reference q/dq: {db:.1f} dB"
 
 
+def test_a_loaded_artifact_lowers_too(block, tmp_path):
+    _, x, _ = block
+    quantkit.save(_converted(block, _LAYOUTS["token x channel"]), tmp_path / "a")
+    loaded = quantkit.load(tmp_path / "a")  # a torch.export program: constants under nested names
+    lowered = copy.deepcopy(loaded)
+    assert lower_fp8(lowered) == {"fp8_linear": 4}
+    with torch.no_grad():
+        assert sqnr(loaded(x), lowered(x)) >= 40
+
+
 @pytest.mark.parametrize("kwargs", [_LAYOUTS["static-tensor x channel"], _LAYOUTS["token x tensor"]],
                          ids=["static", "dynamic-per-token"])
 def test_quantkit_compile_runs_fp8_as_scaled_mm(block, kwargs):

@@ -100,7 +100,7 @@ def lower_fp8(gm: GraphModule, device: str = "cpu") -> dict[str, int]:
                 sa = graph.call_function(aten.reshape.default, (x_scale, [1, 1]) if per_channel else (x_scale, []))
                 if per_channel:
                     sa = graph.call_function(aten.repeat.default, (sa, [rows, 1]))  # contiguous [M, 1]
-            name = f"{w_scale.target}_row"
+            name = str(w_scale.target).replace(".", "_") + "_row"  # a loaded program nests its constants
             if not hasattr(gm, name):
                 gm.register_buffer(name, wscale.reshape(1, -1).contiguous() if per_channel else wscale.reshape(()))
             sb = graph.get_attr(name)
