@@ -168,6 +168,12 @@ def test_fp8_mse_observer_searches_the_fp8_grid():
                                   quant_min=-448, quant_max=448)
     integer(x)
     assert not math.isclose(float(integer.calculate_qparams()[0]) * 448, t_fp8, rel_tol=1e-2)
+    # percentile: the 99.99th percentile of |x| (within a histogram bin) / 448
+    pct = float8_observer(get_observer("percentile"))(dtype=torch.float8_e4m3fn, qscheme=torch.per_tensor_symmetric,
+                                                      quant_min=-448, quant_max=448)
+    pct(x)
+    ref = float(torch.quantile(x.double().abs(), 0.9999))
+    assert math.isclose(float(pct.calculate_qparams()[0]) * 448, ref, rel_tol=1e-2)
 
 
 def test_kv_cache_scales_in_graph_and_quantization_json(block, tmp_path):
