@@ -1,9 +1,12 @@
 """Peak memory and time of quantize_pretrained: block by block (--max-memory) vs in memory.
 
 A Llama-architecture causal LM with random weights (>= 2 GB of fp32 by default) is written
-as model.safetensors into a temporary directory; then, each in a fresh child process (so
-that ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` is that variant's own peak resident
-memory, the Python + torch + quantkit baseline included):
+as model.safetensors into a temporary directory (by a child process, so that this one stays
+small); then each variant runs in a fresh child process and reports its own peak resident
+memory, the Python + torch + quantkit baseline included: ``VmHWM`` of /proc/self/status (the
+high-water mark of the process image since exec), with ``resource.getrusage(RUSAGE_SELF).ru_maxrss``
+beside it (Linux carries ``ru_maxrss`` over exec from the parent's image, so it is at least the
+parent's size at fork):
 
 - ``baseline``: ``import torch, transformers, quantkit`` and the calibration batches only;
 - ``in-memory``: ``quantize_pretrained(..., sequential=False)`` (loads the float model,
@@ -44,8 +47,10 @@ if variant != "baseline":
     kw = dict(sequential=False) if variant == "in-memory" else dict(max_memory=max_memory, sequential=True)
     quantkit.quantize_pretrained(model_dir, batches, W8A8Quantizer(), out=out, progress=False, **kw)
 done = time.perf_counter()
+status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
 print(json.dumps({"variant": variant, "seconds": round(done - imported, 2), "import_seconds": round(imported - t0, 2),
-                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  "peak_rss_bytes": int(status["VmHWM"].split()[0]) * 1024,
+                  "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
 
 
@@ -106,12 +111,18 @@ def main() -> None:
     p.add_argument("--variants", default="baseline,in-memory,sequential",
                    help="comma-separated subset of baseline, in-memory, sequential")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--write", metavar="DIR", help=argparse.SUPPRESS)  # child: write the checkpoint, print its bytes
     args = p.parse_args()
+    if args.write:
+        print(write_model(Path(args.write), hidden=args.hidden, intermediate=args.intermediate, layers=args.layers,
+                          heads=args.heads, vocab=args.vocab))
+        return
     with tempfile.TemporaryDirectory(prefix="bench-sequential-") as tmp:
         tmp = Path(tmp)
         t = time.perf_counter()
-        size = write_model(tmp / "model", hidden=args.hidden, intermediate=args.intermediate, layers=args.layers,
-                           heads=args.heads, vocab=args.vocab)
+        cmd = [sys.executable, __file__, "--write", str(tmp / "model")] + [
+            f"--{k}={getattr(args, k)}" for k in ("hidden", "intermediate", "layers", "heads", "vocab")]
+        size = int(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()[-1])
         written = time.perf_counter() - t
         variants = [v.strip() for v in args.variants.split(",")]
         rows = [run_child(v, tmp / "model", tmp / v, args) for v in variants]

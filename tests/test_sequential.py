@@ -98,7 +98,13 @@ def test_sequential_equals_in_memory(checkpoints, kind, observer, monkeypatch, r
 
     monkeypatch.setattr(_sequential._Run, "_load_weights", spy)
     monkeypatch.setattr(_sequential, "_CHUNK_BYTES", 1000)  # weights are quantized in several slices
-    seq = quantize_pretrained(path, batches, quantizer, sequential=True, progress=False)
+    spilled: list[bool] = []
+    finish = _sequential.ActivationCache.finish
+    monkeypatch.setattr(_sequential.ActivationCache, "finish",
+                        lambda self, b: (spilled.append(self.next_memory is None), finish(self, b)))
+    # a 4 KiB budget: the activations handed between blocks are read back from disk
+    seq = quantize_pretrained(path, batches, quantizer, sequential=True, max_memory=4096, progress=False)
+    assert spilled and all(spilled[:-1])  # every block but the tail hands values on
     ref = _in_memory(path, batches, quantizer)
     _assert_same_model(seq, ref, seq.meta["quantkit_qparams"], ref.meta["quantkit_qparams"])
     n_layers = 2
@@ -233,3 +239,11 @@ def test_cli_max_memory_quantizes_block_by_block(checkpoints, tmp_path, capsys):
     sqnr = 10 * torch.log10(ref.pow(2).mean() / (got - ref).pow(2).mean())
     assert sqnr > 25, f"int8 vs float logits SQNR {sqnr:.1f} dB"
     assert not _sequential.PartialDir.beside(out).exists()
+
+
+def test_gptq_is_refused_before_any_block_runs(checkpoints, tmp_path):
+    quantizer = W8A8Quantizer(QuantConfig(weight_algorithm="gptq"))
+    with pytest.raises(quantkit.QuantkitError, match="weight_algorithm='gptq' .* not supported block by block"):
+        quantize_pretrained(checkpoints["llama"], _batches("llama"), quantizer, out=tmp_path / "o", sequential=True,
+                            progress=False)
+    assert list(tmp_path.iterdir()) == []

@@ -34,6 +34,7 @@ from quantkit.observers import QuantkitObserver
 from quantkit.observers._tokens import token_mask
 
 from .._errors import QuantkitError
+from ._calibrate import _padding_mask
 from ._convert import (FOLDED_PREFIX, QUANTIZE_OPS, _SUPPORTED, _constant_value, _is_calibrated,
                        _remove_unused_attributes, convert_in_place)
 from ._inputs import as_args_kwargs
@@ -303,11 +304,28 @@ def _quantized_weight(obs, const: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _padding_mask(batch):
-    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or bool(mask.bool().all()):
-        return None
-    return mask
+def _check_weight_observers(prepared: GraphModule) -> None:
+    """Refuse, before any block runs, weights this path cannot quantize block by block: those of
+    observers convert does not fold to integers itself (group-wise / torchao observers with their
+    own ``convert``, float16), and weights to be rounded by GPTQ or AWQ (a whole-model pass in
+    ``quantkit.calibrate``)."""
+    modules = dict(prepared.named_modules())
+    memo: dict = {}
+    for node in prepared.graph.nodes:
+        if not is_observer_node(node, modules):
+            continue
+        obs = modules[str(node.target)]
+        if not isinstance(_constant_value(prepared, node.args[0], memo), torch.Tensor):
+            continue
+        where = getattr(obs, "node_name", node.name)
+        algorithm = getattr(obs, "weight_algorithm", "rtn") or "rtn"
+        if algorithm != "rtn":
+            raise QuantkitError(f"weight_algorithm={algorithm!r} (weight at {where!r}) is not supported block by "
+                                "block yet (weights are rounded to nearest); use 'rtn' or quantize in memory")
+        if not _folds(obs):
+            raise QuantkitError(f"the weight at {where!r} is quantized by {type(obs).__name__}, which block-by-block "
+                                "quantization does not support (int8/uint8 weights of quantkit's static observers "
+                                "only); quantize this model in memory")
 
 
 class _Run:
@@ -328,6 +346,7 @@ class _Run:
         gm = capture_without_weights(model, self.batches[0], dynamic_shapes=self.dynamic_shapes)
         del model
         prepared = prepare_in_place(gm, self.quantizer)
+        _check_weight_observers(prepared)
         blocks = partition(prepared)
         self.prepared, self.blocks = prepared, blocks
         self.observers = {str(n.target): prepared.get_submodule(str(n.target)) for n in prepared.graph.nodes
@@ -361,8 +380,17 @@ class _Run:
         cache = ActivationCache(partial.path, act_budget)
         later_inputs = [set().union(*(b.inputs for b in self.blocks[i + 1:])) for i in range(len(self.blocks))]
         if done >= 0:
-            partial.restore_observers(done, self.observers)
-            cache.resume(done)
+            try:
+                for b in range(done + 1):
+                    if not partial.block_file(b).is_file():
+                        raise FileNotFoundError(partial.block_file(b).name)
+                partial.restore_observers(done, self.observers)
+                cache.resume(done)
+                for i in range(len(self.batches)):
+                    cache.get(i)
+            except Exception as exc:  # missing or foreign files: a one-line error, never a traceback
+                raise QuantkitError(f"the partial run in {str(partial.path)!r} is damaged ({type(exc).__name__}); "
+                                    "run again without --resume") from None
         kill_after = os.environ.get(KILL_AFTER_ENV)
         for block in self.blocks[done + 1:]:
             self._load_weights(block)
