@@ -16,6 +16,7 @@ from ._minmax import (
     PerChannelMinMaxObserver,
     PlaceholderObserver,
 )
+from ._fake_quant import FakeQuantize
 from ._registry import available, get, register
 from ._special import DerivedObserver, FixedQParamsObserver
 from ._sync import sync
@@ -35,6 +36,7 @@ __all__ = [
     "PlaceholderObserver",
     "FixedQParamsObserver",
     "DerivedObserver",
+    "FakeQuantize",
     "HessianObserver",
     "HistogramMethod",
     "HistogramObserver",
