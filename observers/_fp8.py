@@ -12,18 +12,20 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from quantkit._errors import ConvertError
 from quantkit._qmath import DEFAULT_EPS, FLOAT8_DTYPES, float8_max, float8_values, underlying_dtype
 
 from . import _rangesearch as rs
-from ._base import PER_TENSOR, PER_TOKEN, QuantkitObserver
+from ._minmax import PlaceholderObserver
 
-__all__ = ["Float8DynamicObserver", "check_float8_method", "float8_observer", "kv_cache_observer", "search_float8_range", "float8_mse"]
+__all__ = ["Float8DynamicObserver", "check_float8_method", "float8_observer", "kv_cache_observer",
+           "search_float8_range", "float8_mse"]
 
 
-class Float8DynamicObserver(QuantkitObserver):
+class Float8DynamicObserver(PlaceholderObserver):
     """Marks a tensor for dynamic FP8: records nothing; the converted graph computes the scale
     at run time (``amax / float8_max``, per tensor, or per row of the last dimension with
-    ``per_token=True``).
+    ``per_token=True``). A :class:`PlaceholderObserver` with a float8 dtype.
 
     Args:
         dtype: ``torch.float8_e4m3fn`` (default) or ``torch.float8_e5m2``.
@@ -40,24 +42,10 @@ class Float8DynamicObserver(QuantkitObserver):
         if qscheme != torch.per_tensor_symmetric:
             raise ValueError(f"dynamic FP8 is symmetric, got qscheme {qscheme}; use torch.per_tensor_symmetric")
         super().__init__(dtype=dtype, qscheme=qscheme, is_dynamic=True, **kwargs)
-        eps = float(self.eps.reshape(-1)[0])
-        del self.eps  # a literal in the converted graph, not state
-        self.eps = eps
-        self.per_token = bool(per_token)
+        self.per_token = bool(per_token)  # the base refuses per-token for anything but int8
 
-    @property
-    def granularity(self) -> str:
-        return PER_TOKEN if self.per_token else PER_TENSOR
-
-    @property
-    def calibrated(self) -> bool:
-        return True
-
-    def forward(self, x):
-        return x
-
-    def _merge(self, other) -> None:
-        pass
+    def convert(self, model, observer_node) -> None:
+        raise ConvertError(f"FP8 observer at node '{self.node_name}' converts with quantkit.convert only")
 
 
 class _Marked:
