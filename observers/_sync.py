@@ -19,8 +19,8 @@ Each observer exposes its state as tensors with a declared reduction:
 
 Anything else (torchao's moving-average and histogram observers, whose states have no exact
 reduction) is refused in one line naming it. Tensors with the same reduction and dtype go
-into one flat buffer: a sync makes a fixed handful of collectives (about 6), not one per
-observer.
+into one flat buffer: a sync makes a fixed handful of collectives (at most 8: observer check,
+shapes, MIN/MAX per dtype, SUM per dtype), not one per observer.
 
 A second sync after more calibration adds only the new data: ranks other than 0 subtract
 what the previous sync already summed (histograms and declared sums) or replayed (moving
@@ -92,6 +92,16 @@ def _fill(shape, value, like: torch.Tensor) -> torch.Tensor:
     return torch.full(shape, value, dtype=like.dtype, device=like.device)
 
 
+def _range_entries(obs, shape) -> list[tuple[str, torch.Tensor]]:
+    """``min_val`` (MIN) and ``max_val`` (MAX) of ``shape``; a rank that saw nothing sends +-inf."""
+    if shape is None:
+        return []
+    mn, mx = obs.min_val, obs.max_val
+    if mn.numel() == 0:
+        mn, mx = _fill(shape, math.inf, mn), _fill(shape, -math.inf, mx)
+    return [(MIN, mn), (MAX, mx)]
+
+
 class _MinMax(_Sync):
     kind = "minmax"
 
@@ -99,13 +109,7 @@ class _MinMax(_Sync):
         return [None if self.obs.min_val.numel() == 0 else tuple(self.obs.min_val.shape)]
 
     def agree(self):
-        shape = self.shapes_agreed[0]
-        if shape is None:
-            return []
-        mn, mx = self.obs.min_val, self.obs.max_val
-        if mn.numel() == 0:
-            mn, mx = _fill(shape, math.inf, mn), _fill(shape, -math.inf, mx)
-        return [(MIN, mn), (MAX, mx)]
+        return _range_entries(self.obs, self.shapes_agreed[0])
 
     def adopt(self, values):
         if values:
@@ -215,7 +219,7 @@ class _ChannelHistogram(_Sync):
         return [None if self.obs.min_val.numel() == 0 else tuple(self.obs.min_val.shape)]
 
     def agree(self):
-        return _MinMax.agree(self)
+        return _range_entries(self.obs, self.shapes_agreed[0])
 
     def adopt(self, values):
         obs = self.obs
