@@ -98,18 +98,34 @@ def _group_error(x: torch.Tensor, weights: list[torch.Tensor], schemes: list[Wei
 def awq_scales(x: torch.Tensor, x_mean_abs: torch.Tensor, weights: list[torch.Tensor],
                schemes: list[WeightScheme], n_grid: int = 20) -> tuple[torch.Tensor | None, float | None]:
     """The per-input-channel scales ``s`` (and the α) with the least output error of the
-    linears ``weights`` on the rows ``x``; ``(None, None)`` when no α beats no scaling."""
+    linears ``weights`` on the rows ``x``; ``(None, None)`` when no α beats no scaling.
+    Both the paper's ``mean|x|^α`` and AutoAWQ's ``duo_scaling`` (its default) are searched."""
     refs = [x @ w.T for w in weights]  # the float outputs
     best_s, best_alpha, best = None, None, _group_error(x, weights, schemes, None, refs)
-    base = x_mean_abs.float().clamp(min=1e-4)  # as the reference: scales.clamp(min=1e-4)
-    for i in range(n_grid):
-        alpha = i / n_grid
-        s = base.pow(alpha)
-        s = s / (s.max() * s.min()).sqrt()
-        err = _group_error(x, weights, schemes, s, refs)
-        if err < best:
-            best_s, best_alpha, best = s, alpha, err
+    x_mean = x_mean_abs.float()
+    w_mean = _weight_mean(weights, schemes)
+    for duo in (False, True):
+        for i in range(n_grid):
+            alpha = i / n_grid
+            if duo:  # AutoAWQ's duo_scaling: x^α / w^(1-α), w normalised by its group's max
+                s = (x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)).clamp(min=1e-4)
+            else:    # the paper's s = x^α (the reference clamps at 1e-4)
+                s = x_mean.clamp(min=1e-4).pow(alpha)
+            s = s / (s.max() * s.min()).sqrt()
+            err = _group_error(x, weights, schemes, s, refs)
+            if err < best:
+                best_s, best_alpha, best = s, alpha, err
     return best_s, best_alpha
+
+
+def _weight_mean(weights: list[torch.Tensor], schemes: list[WeightScheme]) -> torch.Tensor:
+    """Mean over output rows of |w| / max|w| of its group, per input channel (AutoAWQ's w_mean)."""
+    parts = []
+    for w, scheme in zip(weights, schemes):
+        n, k = w.shape
+        g = w.abs().reshape(n, k // scheme.group(k), -1)
+        parts.append((g / g.amax(-1, keepdim=True).clamp(min=1e-12)).reshape(n, k))
+    return torch.cat(parts).mean(0)
 
 
 def awq_clip(x: torch.Tensor, w: torch.Tensor, scheme: WeightScheme, grid: int = 20,
