@@ -17,7 +17,7 @@ from ._sharing import ANNOTATION_KEY, EdgeOrNode, observers_for_annotations
 __all__ = [
     "prepare", "OBSERVER_PREFIX", "is_observer_module", "is_observer_node", "mark_padding_aware",
     "copy_sharing_parameters", "prepare_in_place", "is_prepared", "disallow_train_eval",
-    "control_flow_subgraphs", "set_submodule",
+    "control_flow_subgraphs", "set_submodule", "from_attributes",
 ]
 
 OBSERVER_PREFIX = "activation_post_process_"
@@ -130,7 +130,13 @@ def _writes_state(node: Node, arg: Node) -> bool:
     alias = schema.arguments[0].alias_info if schema.arguments else None
     if alias is None or not alias.is_write:
         return False
-    todo, seen, attrs = [arg], set(), False
+    return from_attributes(arg)
+
+
+def from_attributes(node: Node) -> bool:
+    """Whether ``node`` is computed from module attributes only (a weight, a buffer, a weight
+    scaled by a batch norm, a view of one), not from the graph's inputs."""
+    todo, seen, attrs = [node], set(), False
     while todo:
         cur = todo.pop()
         if cur in seen:

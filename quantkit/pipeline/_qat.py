@@ -10,6 +10,7 @@ norms and dropouts (an exported graph ignores the module flag) and the fake-quan
 from __future__ import annotations
 
 import copy
+import operator
 import types
 
 import torch
@@ -21,7 +22,7 @@ from quantkit.observers._fake_quant import FakeQuantize
 
 from .._errors import CaptureError, ConvertError
 from ._sharing import ANNOTATION_KEY
-from ._prepare import is_prepared, prepare_in_place
+from ._prepare import from_attributes, is_prepared, prepare_in_place
 
 __all__ = ["prepare_qat", "set_training", "fold_simulated_bn", "refuse_training", "is_qat"]
 
@@ -178,21 +179,6 @@ def refuse_training(gm: GraphModule) -> GraphModule:
 
 # --- fake quantization ------------------------------------------------------------------------
 
-def _from_attributes(node: Node) -> bool:
-    """Whether ``node`` is computed from module attributes only (a weight, or a weight scaled
-    by a batch norm), not from the model's inputs."""
-    todo, seen = [node], set()
-    while todo:
-        cur = todo.pop()
-        if cur in seen:
-            continue
-        seen.add(cur)
-        if cur.op == "placeholder":
-            return False
-        todo.extend(cur.all_input_nodes)
-    return True
-
-
 def _learnable(quantizer, node: Node) -> bool:
     config_for = getattr(quantizer, "config_for", None)
     config = config_for(node) if callable(config_for) else getattr(quantizer, "global_config", None)
@@ -225,7 +211,7 @@ def _fake_quantize(gm: GraphModule, observers: dict, quantizer, freeze_after: in
         elif not isinstance(obs, FakeQuantizeBase) and id(obs) in eligible:
             first, spec = eligible[id(obs)]
             src, user = first if isinstance(first, tuple) else (first, first)
-            weight = _from_attributes(src)
+            weight = from_attributes(src)
             channels = None
             val = src.meta.get("val")
             if spec.ch_axis is not None and isinstance(val, torch.Tensor) and getattr(obs, "ch_axis", None) is not None:
@@ -315,11 +301,8 @@ def simulate_conv_bn(gm: GraphModule) -> int:
     return count
 
 
-def _attr(gm: torch.nn.Module, target: str) -> torch.Tensor:
-    obj = gm
-    for atom in target.split("."):
-        obj = getattr(obj, atom)
-    return obj
+def _get(gm: GraphModule, target: str) -> torch.Tensor:
+    return operator.attrgetter(target)(gm)
 
 
 def _new_param(gm: GraphModule, base: str, value: torch.Tensor, like: Node) -> Node:
@@ -352,14 +335,14 @@ def fold_simulated_bn(gm: GraphModule) -> int:
         if info is None or info["bn"] not in nodes or info["scaled"] not in nodes:
             continue
         bn, scaled = nodes[info["bn"]], nodes[info["scaled"]]
-        vals = [None if a is None else _attr(gm, str(a.target)) for a in bn.args[1:5]]
+        vals = [None if a is None else _get(gm, str(a.target)) for a in bn.args[1:5]]
         gamma, beta, mean, var = vals
         eps = bn.args[_BN_EPS_ARG]
         std = torch.sqrt(torch.add(var, eps))
         sf = torch.reciprocal(std) if gamma is None else torch.div(gamma, std)
-        w = _attr(gm, info["weight"])
+        w = _get(gm, info["weight"])
         w_f = torch.mul(w, torch.reshape(sf, [-1] + [1] * (w.dim() - 1)))
-        b = torch.zeros_like(mean) if info["bias"] is None else _attr(gm, info["bias"])
+        b = torch.zeros_like(mean) if info["bias"] is None else _get(gm, info["bias"])
         b_f = (b - mean) * sf + (0 if beta is None else beta)
         with gm.graph.inserting_before(scaled):
             w_node = _new_param(gm, "_qat_folded_weight", w_f, scaled)
