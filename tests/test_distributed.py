@@ -188,6 +188,10 @@ def ranks(setup, tmp_path_factory):
             quantkit.calibrate(prepared, quantkit.shard(data[:3]), progress=False)
             quantkit.calibrate(prepared, quantkit.shard(data[3:]), progress=False)
             res[f"twice/{act}"] = qparams(prepared)
+        # an iterable without len is split by stride (batches 0, 2, 4 | 1, 3)
+        prepared = _prepare(gm, "moving_average_minmax", "moving_average_per_channel_minmax")
+        quantkit.calibrate(prepared, quantkit.shard(iter(data)), progress=False)
+        res["strided"] = qparams(prepared)
         # observers outside a graph, torchao's among them; one rank without data for some
         res["direct"] = _state(sync(_observer_set(rank)))
         # a rank whose shard holds NaN: every rank fails, each with one line
@@ -270,6 +274,17 @@ def test_calibrating_twice_adds_only_new_batches(ranks, setup, act, weight):
     ref = _reference(gm, data, act, weight, chunks=[data[:3], data[3:]])
     for rank in range(WORLD):
         _assert_equal(ref, ranks[rank][f"twice/{act}"], f"twice {act} rank {rank}")
+
+
+def test_moving_average_of_a_strided_split_is_one_process_in_rank_major_order(ranks, setup):
+    """The documented equivalence where the order changes: rank 0's batches, then rank 1's."""
+    gm, data = setup["block"]
+    act, weight = "moving_average_minmax", "moving_average_per_channel_minmax"
+    ref = _reference(gm, data[0::2] + data[1::2], act, weight)
+    for rank in range(WORLD):
+        _assert_equal(ref, ranks[rank]["strided"], f"strided rank {rank}")
+    original = _reference(gm, data, act, weight)  # a moving average depends on the order
+    assert any(not torch.equal(ref[n][0], original[n][0]) for n in ref)
 
 
 def test_sync_of_observers_outside_a_graph_torchao_included(ranks):
