@@ -132,6 +132,23 @@ def setup():
     return {"block": (block, block_data), "minilm": (minilm, minilm_data)}
 
 
+class _Declared(quantkit.observers.QuantkitObserver):
+    """An observer of another kind that declares its reduction (``sync_ops``)."""
+
+    sync_ops = {"total": "sum", "peak": "max"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.zeros(3, dtype=torch.float64))
+        self.register_buffer("peak", torch.full((3,), float("-inf")))
+
+    calibrated = True
+
+    def _observe(self, x):
+        self.total += x.round().double().sum(0)[:3]  # integer-valued: sums are exact in any order
+        self.peak.copy_(torch.maximum(self.peak, x.amax(0)[:3]))
+
+
 def _observer_set(rank: int | None):
     """Observers fed directly (no graph): torchao's min/max ones beside quantkit's; the per-channel
     ones see rank 0's shard only (rank 1's stay empty: the sync sizes their state from rank 0's).
@@ -147,12 +164,14 @@ def _observer_set(rank: int | None):
         "qk_per_channel": qo.PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8,
                                                       qscheme=torch.per_channel_symmetric),
         "qk_hist": qo.HistogramObserver(method="mse"),
+        "declared": _Declared(),
     })
     g = torch.Generator().manual_seed(3)
     batches = [torch.randn(6, 10, generator=g) * (i + 1) - i for i in range(4)]
     for x in batches if rank is None else quantkit.shard(batches, rank, WORLD):
         mods["ao_minmax"](x)
         mods["qk_hist"](x)
+        mods["declared"](x)
     for x in quantkit.shard(batches, 0, WORLD) if rank in (None, 0) else []:
         mods["ao_per_channel"](x)
         mods["qk_per_channel"](x)
@@ -292,7 +311,8 @@ def test_sync_of_observers_outside_a_graph_torchao_included(ranks):
     for rank in range(WORLD):
         got = ranks[rank]["direct"]
         for key in ("ao_minmax.min_val", "ao_minmax.max_val", "ao_per_channel.min_val", "ao_per_channel.max_val",
-                    "qk_per_channel.min_val", "qk_hist.histogram", "qk_hist.bin_exp", "qk_hist.min_val"):
+                    "qk_per_channel.min_val", "qk_hist.histogram", "qk_hist.bin_exp", "qk_hist.min_val",
+                    "declared.total", "declared.peak"):
             assert torch.equal(ref[key], got[key]), (rank, key)
 
 
