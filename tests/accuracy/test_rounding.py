@@ -73,9 +73,11 @@ def test_w8a8_gptq_converted_integers_are_gptqs():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # caller's model untouched
 
 
-def test_weight_only_gptq_convert_keeps_the_rounded_weights():
+@pytest.mark.parametrize("scheme", ["int4", "nf4"])
+def test_weight_only_gptq_convert_keeps_the_rounded_weights(scheme):
     model, x, calib = _setup()
-    prepared = quantkit.prepare(quantkit.capture(model, (x[:2],)), WeightOnlyQuantizer(group_size=16, algorithm="gptq"))
+    prepared = quantkit.prepare(quantkit.capture(model, (x[:2],)),
+                                WeightOnlyQuantizer(group_size=16, scheme=scheme, algorithm="gptq"))
     quantkit.calibrate(prepared, calib, progress=False)
     rounded = _weights(prepared)
     converted = quantkit.convert(prepared)
