@@ -13,7 +13,7 @@ from torchao.quantization.pt2e.quantizer import (
     SharedQuantizationSpec,
 )
 
-from quantkit.pipeline._scopes import module_scopes, type_name
+from quantkit.pipeline._scopes import scoped_config, type_name
 from quantkit._qmath import is_per_channel
 from quantkit.observers import declared_qscheme
 from quantkit.observers import get as get_observer
@@ -110,18 +110,7 @@ class W8A8Quantizer(Quantizer):
 
     def config_for(self, node: Node) -> Optional[QuantConfig]:
         """The config that applies to ``node``: module name, then module type, then global."""
-        scopes = module_scopes(node)
-        best, best_len = None, -1
-        for name, cfg in self.module_name_config.items():
-            for fqn, _ in scopes:
-                if (fqn == name or fqn.startswith(name + ".")) and len(name) > best_len:
-                    best, best_len = cfg, len(name)
-        if best_len >= 0:
-            return best
-        for _, tname in reversed(scopes):  # innermost module first
-            if tname in self.module_type_config:
-                return self.module_type_config[tname]
-        return self.global_config
+        return scoped_config(node, self.module_name_config, self.module_type_config, self.global_config)
 
     # --- specs ----------------------------------------------------------------------
     @staticmethod

@@ -10,7 +10,7 @@ from torch.fx import GraphModule, Node
 from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, QuantizationSpec, Quantizer
 
 from quantkit.observers import GroupwiseWeightObserver
-from quantkit.pipeline._scopes import module_scopes, type_name
+from quantkit.pipeline._scopes import scoped_config, type_name
 
 __all__ = ["WeightOnlyQuantizer", "WeightOnlyConfig", "WEIGHT_ONLY_SCHEMES", "WEIGHT_ONLY_ALGORITHMS"]
 
@@ -117,18 +117,7 @@ class WeightOnlyQuantizer(Quantizer):
 
     def config_for(self, node: Node) -> Optional[WeightOnlyConfig]:
         """The settings that apply to ``node``: module name, then module type, then global."""
-        scopes = module_scopes(node)
-        best, best_len = None, -1
-        for name, cfg in self.module_name_config.items():
-            for fqn, _ in scopes:
-                if (fqn == name or fqn.startswith(name + ".")) and len(name) > best_len:
-                    best, best_len = cfg, len(name)
-        if best_len >= 0:
-            return best
-        for _, tname in reversed(scopes):
-            if tname in self.module_type_config:
-                return self.module_type_config[tname]
-        return self.global_config
+        return scoped_config(node, self.module_name_config, self.module_type_config, self.global_config)
 
     # --- specs ------------------------------------------------------------------------
     @staticmethod

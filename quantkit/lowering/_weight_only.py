@@ -26,18 +26,14 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from ._match import attr as _attr
+from ._triton import _buffer as _new_attr  # a uniquely named buffer and its get_attr before a node
+
 __all__ = ["lower_weight_only", "WeightOnlyMatch", "match_weight_only"]
 
 aten = torch.ops.aten
 _CPU_GROUPS = (32, 64, 128, 256)  # aten._weight_int4pack_mm_for_cpu accepts these group sizes only
 _COMPUTE_DTYPE = torch.bfloat16
-
-
-def _attr(gm: torch.nn.Module, target: str):
-    obj = gm
-    for atom in str(target).split("."):
-        obj = getattr(obj, atom)
-    return obj
 
 
 @dataclass
@@ -83,15 +79,6 @@ def match_weight_only(gm: GraphModule, node: Node) -> Optional[WeightOnlyMatch]:
     bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
     return WeightOnlyMatch(node, x, bias, q, packed, signed, _attr(gm, scale.target).float(),
                            _attr(gm, zp.target), int(qmin), int(qmax), int(group))
-
-
-def _new_attr(gm: GraphModule, base: str, value: torch.Tensor, before: Node) -> Node:
-    i = 0
-    while hasattr(gm, f"{base}{i}"):
-        i += 1
-    gm.register_buffer(f"{base}{i}", value)
-    with gm.graph.inserting_before(before):
-        return gm.graph.get_attr(f"{base}{i}")
 
 
 def _leading_sizes(graph, x: Node) -> list:
