@@ -8,8 +8,9 @@ import math
 import torch
 from torchao.quantization.pt2e.fake_quantize import FakeQuantizeBase
 
-from quantkit._qmath import is_per_channel, is_symmetric
+from quantkit._qmath import dequantize_group, is_per_channel, is_symmetric, quantize_group
 
+from ._groupwise import PER_GROUP
 from ._minmax import MinMaxObserver
 
 __all__ = ["FakeQuantize", "lsq_grad_factor"]
@@ -76,6 +77,8 @@ class FakeQuantize(FakeQuantizeBase):
             raise ValueError(f"freeze_after must be a non-negative integer or None, got {freeze_after!r}")
         if learnable and getattr(obs, "is_dynamic", False):
             raise ValueError("learnable ranges need a static scheme; dynamic quantization chooses qparams at run time")
+        if learnable and getattr(obs, "granularity", None) == PER_GROUP:
+            raise ValueError("learnable ranges are per tensor or per channel; group-wise weights follow their observer")
         self.activation_post_process = obs
         self.learnable = bool(learnable)
         self.weight = bool(weight)
@@ -104,6 +107,18 @@ class FakeQuantize(FakeQuantizeBase):
     quant_max = property(lambda self: int(self.activation_post_process.quant_max))
     is_dynamic = property(lambda self: bool(getattr(self.activation_post_process, "is_dynamic", False)))
     ch_axis = property(lambda self: getattr(self.activation_post_process, "ch_axis", None))
+    granularity = property(lambda self: getattr(self.activation_post_process, "granularity", None))
+    # group-wise weights (granularity "per-group"): what quantkit.convert's group-wise path reads
+    group_size = property(lambda self: self.activation_post_process.group_size)
+    scheme = property(lambda self: self.activation_post_process.scheme)
+    symmetric = property(lambda self: self.activation_post_process.symmetric)
+    weight_algorithm = property(lambda self: getattr(self.activation_post_process, "weight_algorithm", "rtn"))
+
+    def observe_weight(self, w: torch.Tensor) -> None:
+        """Take the qparams of the weight ``w`` afresh (convert's group-wise path calls this on the
+        weight it folds; the forward of a group-wise weight does the same, so both agree)."""
+        self.activation_post_process.observe_weight(w.detach())
+        self._take_observer_qparams()
 
     @property
     def node_name(self) -> str:
@@ -169,7 +184,9 @@ class FakeQuantize(FakeQuantizeBase):
             return x
         if self.is_dynamic:
             return self.activation_post_process(x)  # run-time qparams: nothing to simulate here
-        if not self.initialized or (self.training and not self.frozen):
+        if self.granularity == PER_GROUP:
+            self.observe_weight(x)
+        elif not self.initialized or (self.training and not self.frozen):
             if self._fresh_state is not None:
                 self.activation_post_process.load_state_dict(self._fresh_state)
             self.activation_post_process(x.detach())
@@ -186,6 +203,11 @@ class FakeQuantize(FakeQuantizeBase):
     def _fixed(self, x: torch.Tensor) -> torch.Tensor:
         scale, zp = self.calculate_qparams()
         xf = x.float()
+        if self.granularity == PER_GROUP:  # round to nearest per group; gradient straight through
+            g, lo, hi, shape = self.group_size, self.quant_min, self.quant_max, (x.shape[0], -1)
+            q = quantize_group(xf.detach(), scale.reshape(shape), zp.reshape(shape), lo, hi, self.dtype, g)
+            out = dequantize_group(q, scale.reshape(shape), zp.reshape(shape), lo, hi, self.dtype, g)
+            return (xf + (out - xf).detach()).to(x.dtype)
         if is_per_channel(self.qscheme):
             out = torch.fake_quantize_per_channel_affine(
                 xf, scale, zp.to(torch.int32), self._axis(x), self.quant_min, self.quant_max)

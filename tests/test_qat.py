@@ -310,6 +310,49 @@ def test_ptq_honours_bit_widths():
     assert torch.allclose(got[(32, 16)], ref, atol=1e-6)
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_group_wise_int4_weight_only_qat(symmetric):
+    """WeightOnlyQuantizer's int4 group-wise weights train with fake quantization (round to nearest per
+    group, straight-through gradient) and convert to packed int4 computing the same outputs."""
+    from quantkit.quantizers import WeightOnlyQuantizer
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8)).eval(), _x((16, 64))
+    qat = quantkit.prepare_qat(quantkit.capture(model, (x,)), WeightOnlyQuantizer(bits=4, group_size=16,
+                                                                                  symmetric=symmetric))
+    assert len([f for f in _fqs(qat) if isinstance(f, FakeQuantize)]) == 2
+    w = model[0].weight.detach()  # fake quantization of the first weight, per group of 16, by hand
+    g = w.reshape(32, 4, 16)
+    if symmetric:
+        scale = g.abs().amax(-1, keepdim=True) / 7.5
+        ref = (torch.round(g * (1.0 / scale)).clamp(-8, 7) * scale).reshape(32, 64)
+    else:
+        lo, hi = g.amin(-1, keepdim=True).clamp(max=0), g.amax(-1, keepdim=True).clamp(min=0)
+        scale = (hi - lo) / 15
+        zp = torch.round(-lo / scale)
+        ref = ((torch.round(g * (1.0 / scale)) + zp).clamp(0, 15) - zp).mul(scale).reshape(32, 64)
+    fq = qat.get_submodule(str(next(n for n in qat.graph.nodes if n.op == "call_module"
+                                    and n.args[0].op == "get_attr" and n.args[0].target == "0.weight").target))
+    assert torch.allclose(fq(w), ref, atol=1e-6)
+    _train(qat, x)
+    assert dict(qat.named_parameters())["0.weight"].grad.abs().sum() > 0
+    qat.eval()
+    with torch.no_grad():
+        ref_out = qat(x)
+    qmodel = quantkit.convert(qat)
+    assert _targets(qmodel).count(_OPS.dequantize_per_channel_group.default) == 2
+    with torch.no_grad():
+        assert _sqnr(ref_out, qmodel(x)) >= 35
+
+
+def test_nf4_qat_is_refused():
+    from quantkit.quantizers import WeightOnlyQuantizer
+
+    model, x = nn.Sequential(nn.Linear(64, 8)).eval(), _x((4, 64))
+    with pytest.raises(ValueError, match="NF4 weights cannot be fake-quantized for QAT; use the int4 scheme"):
+        quantkit.prepare_qat(quantkit.capture(model, (x,)), WeightOnlyQuantizer(bits=4, group_size=16, scheme="nf4"))
+
+
 # --- interop ---------------------------------------------------------------------------------------
 
 def test_quantkit_prepare_qat_accepts_torchao_x86_qat_quantizer():

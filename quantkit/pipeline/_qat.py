@@ -52,8 +52,9 @@ def is_qat(gm: torch.nn.Module) -> bool:
 def prepare_qat(model: GraphModule, quantizer, *, freeze_observers_after: int | None = None) -> GraphModule:
     """Prepare a captured model for quantization-aware training.
 
-    The quantizer annotates the graph as for :func:`quantkit.prepare` (quantkit's quantizers,
-    or torchao's QAT ones such as ``X86InductorQuantizer`` with an ``is_qat=True`` config).
+    The quantizer annotates the graph as for :func:`quantkit.prepare` (quantkit's quantizers:
+    ``W8A8Quantizer``, ``WeightOnlyQuantizer`` with int4/int8 group-wise weights, not NF4; or torchao's
+    QAT ones such as ``X86InductorQuantizer`` with an ``is_qat=True`` config).
     Every observed edge gets a fake-quantize module (:class:`quantkit.observers.FakeQuantize`:
     the observer plus fake quantization with a straight-through estimator; a learnable scale and
     zero point where the quantizer's config says ``learnable_ranges=True``). Batch norms after
@@ -197,6 +198,9 @@ def _fake_quantize(gm: GraphModule, observers: dict, quantizer, freeze_after: in
         keys.append((node, ann.output_qspec))
         for key, spec in keys:
             if isinstance(spec, QuantizationSpec) and not spec.is_dynamic and key in observers:
+                if getattr(observers[key], "scheme", None) == "nf4":  # codes index a table: no uniform grid
+                    raise ValueError("NF4 weights cannot be fake-quantized for QAT; use the int4 scheme "
+                                     "(WeightOnlyQuantizer(bits=4)) for quantization-aware training")
                 eligible.setdefault(id(observers[key]), (key, spec))
     made: dict[int, torch.nn.Module] = {}
     out = {}
