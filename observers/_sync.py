@@ -212,14 +212,10 @@ class _Pow2Histogram(_Sync):
                 self.obs._synced_counts = (values[0].clone(), *self.grid)
 
 
-class _ChannelHistogram(_Sync):
+class _ChannelHistogram(_MinMax):
+    """Per-channel ranges as :class:`_MinMax`, then the rows' counts moved onto them and summed."""
+
     kind = "channel-histogram"
-
-    def shapes(self):
-        return [None if self.obs.min_val.numel() == 0 else tuple(self.obs.min_val.shape)]
-
-    def agree(self):
-        return _range_entries(self.obs, self.shapes_agreed[0])
 
     def adopt(self, values):
         obs = self.obs
