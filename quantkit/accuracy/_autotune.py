@@ -367,7 +367,10 @@ def autotune(model: torch.nn.Module, example_inputs: Any, calib: Iterable, eval_
         trials[best].latency_ms = meter.int8(qmodel, RECIPES.get(trials[best].recipe, chosen[0]).lowering)
     report.speed = {"int8_ms": trials[best].latency_ms}
     if compare_speed and meter is not None:
-        report.speed.update(meter.floats(model))
+        try:
+            report.speed.update(meter.floats(model))
+        except Exception as exc:  # e.g. a graph with float32 constants baked in cannot run in bf16
+            report.speed["error"] = " ".join(str(exc).split())[:150] or type(exc).__name__
     if not report.met:
         warnings.warn(f"autotune: {reason}; returning it anyway", stacklevel=2)
     return qmodel, report
