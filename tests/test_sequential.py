@@ -121,6 +121,9 @@ def test_sequential_equals_in_memory(checkpoints, kind, observer, monkeypatch, r
         assert sorted(state) == sorted(ref.state_dict())
         assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items())
         assert torch.equal(_logits(loaded, batches[1]), _logits(ref, batches[1]))
+        # an ordinary .pt2: torch's own reader takes it too (our file; torch.export.load unpickles)
+        program = torch.export.load(str(request.getfixturevalue("llama_artifact") / "model.pt2"))
+        assert torch.equal(_logits(program.module(), batches[1]), _logits(ref, batches[1]))
 
 
 def _logits(model, batch):

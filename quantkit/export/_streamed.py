@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from .._errors import QuantkitError
 from ..pipeline._capture import CAPTURE_META_KEY
+from ..pipeline._meta_capture import fake_inputs as _fakify
 from . import _artifact, _safe_pt2
 
 __all__ = ["export_fake", "write_streamed_artifact", "load_streamed", "write_streamed_program"]
@@ -31,16 +31,6 @@ def _fake_mode(gm: torch.nn.Module):
         if isinstance(t, FakeTensor):
             return t.fake_mode
     return None
-
-
-def _fakify(mode, value: Any):
-    if isinstance(value, torch.Tensor):
-        return mode.from_tensor(value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_fakify(mode, v) for v in value)
-    if isinstance(value, dict):
-        return {k: _fakify(mode, v) for k, v in value.items()}
-    return value
 
 
 def export_fake(converted: torch.fx.GraphModule) -> torch.export.ExportedProgram:

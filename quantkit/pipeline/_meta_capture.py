@@ -20,7 +20,8 @@ import torch
 from .._errors import CaptureError, QuantkitError
 from ._capture import CAPTURE_META_KEY, capture
 
-__all__ = ["empty_model", "fake_parameters", "capture_without_weights", "CheckpointIndex", "index_checkpoint"]
+__all__ = ["empty_model", "fake_parameters", "fake_inputs", "capture_without_weights", "CheckpointIndex",
+           "index_checkpoint"]
 
 
 @contextlib.contextmanager
@@ -89,13 +90,14 @@ def fake_parameters(model: torch.nn.Module):
     return mode
 
 
-def _fake_inputs(mode, value: Any):
+def fake_inputs(mode, value: Any):
+    """``value`` (tensors in tuples, lists, dicts) with every tensor made a fake tensor of ``mode``."""
     if isinstance(value, torch.Tensor):
         return mode.from_tensor(value)
     if isinstance(value, (tuple, list)):
-        return type(value)(_fake_inputs(mode, v) for v in value)
+        return type(value)(fake_inputs(mode, v) for v in value)
     if isinstance(value, dict):
-        return {k: _fake_inputs(mode, v) for k, v in value.items()}
+        return {k: fake_inputs(mode, v) for k, v in value.items()}
     return value
 
 
@@ -113,7 +115,7 @@ def capture_without_weights(model: torch.nn.Module, example_inputs: Any, *, dyna
     from ._inputs import as_args_kwargs
 
     args, kwargs = as_args_kwargs(example_inputs)
-    gm = capture(model, _fake_inputs(mode, kwargs) if kwargs else _fake_inputs(mode, args),
+    gm = capture(model, fake_inputs(mode, kwargs) if kwargs else fake_inputs(mode, args),
                  dynamic_shapes=dynamic_shapes)
     record = gm.meta[CAPTURE_META_KEY]
     record["args"], record["kwargs"] = args, kwargs
