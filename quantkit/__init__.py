@@ -19,6 +19,7 @@ from . import _quiet  # noqa: F401  (first: imports torchao without its import-t
 from .pipeline._api import quantize
 from .pipeline._sequential import quantize_pretrained
 from .export._artifact import load, save
+from .export._compressed_tensors import export_compressed_tensors
 from .pipeline._calibrate import calibrate
 from .pipeline._distributed import shard
 from .pipeline._capture import capture
@@ -47,6 +48,7 @@ __all__ = [
     "quantize_pretrained",
     "save",
     "load",
+    "export_compressed_tensors",
     "debug",
     "metrics",
     "sensitivity",

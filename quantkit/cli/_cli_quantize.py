@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 from ..export import _artifact
-from . import _cli_autotune
+from . import _cli_autotune, _cli_export
 from . import _cli_data as datasets, _cli_inputs as inputs, _cli_report as report, _distributed as torchrun
 from .._errors import QuantkitError
 from ._cli_weight_only import WeightOnlyRecipe, check_weight_algorithm
@@ -276,7 +276,8 @@ def _check(args, recipe: Recipe):
             raise inputs.UsageError(f"{flag} must be at least {lo}, got {v}")
     out = Path(args.out)
     inputs.check_not_input(out, spec.input_paths() + [data.file] + ([data.file.parent] if data.kind == "default" else []))
-    out = _artifact.check_out_dir(out, overwrite=args.force, flag="--force", exists_error=inputs.UsageError)
+    out = _cli_export.check(args, spec, out, lambda o: _artifact.check_out_dir(  # --format decides what DIR may be
+        o, overwrite=args.force, flag="--force", exists_error=inputs.UsageError))
     inputs.check_out_location(out)
     spec.check()
     if data.kind == "default" and not spec.is_hf:
@@ -315,6 +316,7 @@ def run_quantize(args, say) -> int:
     from . import _cli_sequential  # --max-memory the model does not fit, --sequential, --resume
 
     if _cli_sequential.wanted(args, spec):
+        _cli_export.refuse_sequential(args)
         return _cli_sequential.run_sequential(args, recipe, spec, data, out, say)
     device = torchrun.rank_device(device)
     progress = not args.quiet
@@ -388,6 +390,16 @@ def run_quantize(args, say) -> int:
     records = qmodel.meta.get("quantkit_qparams", [])
     layers = report.layer_sqnr(loaded.model, qmodel, heldout[0], records)
     t = clock.lap("evaluate", t)
+    ct_export = None
+    if _cli_export.parse_formats(args.format) == (_cli_export.CT,):  # DIR is the HF checkpoint alone
+        ct_export = _cli_export.write(out, qmodel=qmodel, spec=spec, loaded=loaded, batches=heldout,
+                                      skip_unsupported=args.skip_unsupported, atomic=True,
+                                      record=report.json_safe({"recipe": recipe.to_json(), "metric": metric}))
+        say(f"wrote {out}: {metric['name']} mean {metric['mean_cosine']:.4f} (min {metric['min_cosine']:.4f}) vs float; "
+            f"{_cli_export.describe(ct_export)}")
+        if tuned is not None:
+            say("  " + _cli_autotune.summary_line(tuned))
+        return _cli_autotune.exit_code(args, tuned)
 
     with contextlib.redirect_stderr(io.StringIO()):
         program = _artifact.export_converted(qmodel)
@@ -405,6 +417,9 @@ def run_quantize(args, say) -> int:
         _artifact.write_json(tmp / _artifact.RECIPE_FILE, report.json_safe(doc))
         if loaded.tokenizer is not None:
             loaded.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
+        if _cli_export.CT in _cli_export.parse_formats(args.format):  # the HF checkpoint beside model.pt2
+            ct_export = _cli_export.write(tmp / _cli_export.SUBDIR, qmodel=qmodel, spec=spec, loaded=loaded,
+                                          batches=heldout, skip_unsupported=args.skip_unsupported, atomic=False)
         t = clock.lap("save", t)
         clock.times["total"] = round(time.perf_counter() - clock.start, 2)
         int8_bytes = model_file.stat().st_size
@@ -431,6 +446,8 @@ def run_quantize(args, say) -> int:
             rep["fallback"] = {"kept_float": [layer.label for layer in fallback.float_layers],
                                "drop": fallback.drop, "budget": fallback.budget, "met": fallback.met,
                                "int8_gemm_fraction": fallback.int8_gemm_fraction}
+        if ct_export is not None:
+            rep["compressed_tensors"] = _cli_export.summary(ct_export)
         _artifact.write_json(tmp / REPORT_JSON, report.json_safe(rep))
         (tmp / REPORT_MD).write_text(report.render_report(rep), encoding="utf-8")
     extra = f", top-1 agreement {metric['top1_agreement']:.4f}" if "top1_agreement" in metric else ""
@@ -438,6 +455,8 @@ def run_quantize(args, say) -> int:
     say(f"wrote {out}: {metric['name']} mean {metric['mean_cosine']:.4f} (min {metric['min_cosine']:.4f}){extra} "
         f"on {metric['samples']} held-out samples, size {rep['size']['ratio']:.3f}x fp32, "
         f"{clock.times['total']:.0f} s{note}")
+    if ct_export is not None:
+        say(f"  {out / _cli_export.SUBDIR}: {_cli_export.describe(ct_export)}")
     if tuned is not None:
         say("  " + _cli_autotune.summary_line(tuned))
     return _cli_autotune.exit_code(args, tuned)

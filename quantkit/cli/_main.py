@@ -123,6 +123,12 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
                           "(measured on the calibration samples), e.g. 0.002")
     acc.add_argument("--metric", default="cosine", metavar="NAME",
                      help="metric for --accuracy-budget: cosine (default), kl, top1, or module:function")
+    q.add_argument("--format", default="pt2", metavar="FORMATS",
+                   help="what DIR gets: pt2 (quantkit's artifact; default), compressed-tensors (an HF checkpoint "
+                        "transformers and vLLM load; pip install 'quantkit[serve]') or pt2,compressed-tensors "
+                        "(both: the HF directory in DIR/compressed-tensors)")
+    q.add_argument("--skip-unsupported", action="store_true",
+                   help="compressed-tensors: keep layers the format cannot express float (listed) instead of failing")
     mem = q.add_argument_group("memory (models larger than memory)")
     mem.add_argument("--max-memory", metavar="SIZE",
                      help="memory budget, e.g. 4GiB: a checkpoint the in-memory path would not fit is quantized "

@@ -43,7 +43,7 @@ FORMAT = "quantkit-int8"
 FORMAT_VERSION = 1
 # everything quantkit (API or CLI) writes into an artifact directory; --force replaces only these
 ARTIFACT_FILES = frozenset({MODEL_FILE, RECIPE_FILE, "report.md", "report.json"})
-ARTIFACT_DIRS = frozenset({"tokenizer"})
+ARTIFACT_DIRS = frozenset({"tokenizer", "compressed-tensors"})  # the HF checkpoint of --format pt2,compressed-tensors
 # where load() keeps the ExportedProgram and the quantization.json it read, for save() to write again
 PROGRAM_META_KEY = "quantkit_program"
 RECIPE_META_KEY = "quantkit_recipe"

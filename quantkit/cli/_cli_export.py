@@ -1,0 +1,92 @@
+"""``quantkit quantize --format``: which artifacts to write, and the compressed-tensors one.
+
+``pt2`` (default) is quantkit's artifact directory; ``compressed-tensors`` an HF model directory
+that transformers and vLLM load (``quantkit.export_compressed_tensors``); ``pt2,compressed-tensors``
+writes the artifact with the HF directory inside it, in ``compressed-tensors/``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import _cli_inputs as inputs
+
+__all__ = ["FORMATS", "SUBDIR", "parse_formats", "check", "write", "summary", "describe", "refuse_sequential"]
+
+PT2, CT = "pt2", "compressed-tensors"
+FORMATS = (PT2, CT)
+SUBDIR = CT  # where --format pt2,compressed-tensors puts the HF directory inside the artifact
+
+
+def parse_formats(text: str | None) -> tuple[str, ...]:
+    """``--format``: a comma-separated subset of :data:`FORMATS`, in that order."""
+    names = [n.strip() for n in (text or PT2).split(",") if n.strip()]
+    unknown = [n for n in names if n not in FORMATS]
+    if unknown or not names:
+        raise inputs.UsageError(f"unknown --format {unknown[0] if unknown else text!r}; use pt2, compressed-tensors "
+                                "or pt2,compressed-tensors")
+    return tuple(f for f in FORMATS if f in names)
+
+
+def check(args, spec: inputs.ModelSpec, out: Path, check_pt2_dir) -> Path:
+    """Checks before anything loads: an HF model, compressed-tensors installed, a writable --out."""
+    formats = parse_formats(getattr(args, "format", None))
+    if getattr(args, "skip_unsupported", False) and CT not in formats:
+        raise inputs.UsageError("--skip-unsupported applies to --format compressed-tensors only; add it or drop "
+                                "--skip-unsupported")
+    if CT in formats:
+        if not spec.is_hf:
+            raise inputs.UsageError("--format compressed-tensors writes an HF checkpoint, so MODEL must be an HF model "
+                                    "directory (config.json and weights), not a factory")
+        from ..export._compressed_tensors import check_available
+
+        check_available()
+    if formats == (CT,):
+        from ..export._compressed_tensors import check_out_dir
+
+        return check_out_dir(out, overwrite=args.force, flag="--force", exists_error=inputs.UsageError)
+    return check_pt2_dir(out)
+
+
+def refuse_sequential(args) -> None:
+    """The layer-by-layer path (--max-memory, --sequential) writes pt2 only."""
+    if CT in parse_formats(getattr(args, "format", None)):
+        raise inputs.UsageError("--format compressed-tensors is not available with layer-by-layer quantization "
+                                "(--max-memory, --sequential) yet; use --format pt2 there")
+
+
+def _model_dir(spec: inputs.ModelSpec) -> Path:
+    from .. import _hf
+
+    return _hf.default_model_path() if spec.kind == "default" else Path(spec.path)
+
+
+def write(directory: Path, *, qmodel, spec: inputs.ModelSpec, loaded, batches: list, skip_unsupported: bool,
+          record: dict | None = None, atomic: bool):
+    """Export ``qmodel`` as compressed-tensors into ``directory`` (``atomic``: swapped into place,
+    else written into a fresh directory inside the caller's atomic one), verified against it."""
+    from ..export import _compressed_tensors as ct
+
+    kw = dict(inputs=batches, skip_unsupported=skip_unsupported, model_class=type(loaded.model))
+    if not atomic:
+        return ct.write_checkpoint(qmodel, _model_dir(spec), directory, record=record, **kw)
+    from ..export import _atomic
+
+    with _atomic.atomic_dir(directory, check=lambda: ct.check_out_dir(directory, overwrite=True)) as tmp:
+        result = ct.write_checkpoint(qmodel, _model_dir(spec), tmp, record=record, **kw)
+    return result
+
+
+def summary(result) -> dict:
+    """The report's ``compressed_tensors`` entry."""
+    return {"int8_linears": result.linears, "kept_float": list(result.kept_float),
+            "weight_only_dequantized": list(result.dequantized), "verification": result.verification,
+            "versions": result.versions}
+
+
+def describe(result) -> str:
+    v = result.verification
+    kept = f", {len(result.kept_float)} layers kept float" if result.kept_float else ""
+    return (f"compressed-tensors: {result.linears} int8 linears{kept}; loaded with transformers "
+            f"(compressed-tensors {result.versions['compressed_tensors']}), min cosine {v['min_cosine']:.6f} "
+            f"vs quantkit's int8 model on {v['rows']} rows")

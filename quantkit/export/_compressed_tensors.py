@@ -1,0 +1,583 @@
+"""Export a quantkit int8 model as a compressed-tensors checkpoint: an HF model directory that
+transformers (with the ``compressed-tensors`` package) and vLLM load.
+
+The directory holds the source model's config.json plus a ``quantization_config``
+(``quant_method: compressed-tensors``, format ``int-quantized``), safetensors with each
+quantized nn.Linear as ``weight`` (int8), ``weight_scale`` and its input's ``input_scale`` /
+``input_zero_point`` (static) or a dynamic per-token scheme, the float tensors as they are in
+quantkit's model, the tokenizer files, and ``quantkit_export.json`` (what was written, what was
+kept float, the verification). Before the directory is put in place it is loaded back with
+transformers and its outputs compared with quantkit's int8 model: a mismatch removes it.
+
+compressed-tensors is imported only here (``pip install 'quantkit[serve]'``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from torch.fx import GraphModule
+
+from .. import _hf
+from .._errors import QuantkitError
+from ..pipeline._inputs import call_model
+from . import _atomic
+from ._ct_plan import Plan, float_value, read_graph
+
+__all__ = ["export_compressed_tensors", "write_checkpoint", "CompressedTensorsExport", "check_available",
+           "check_out_dir", "MARKER_FILE", "TESTED_VERSION"]
+
+MARKER_FILE = "quantkit_export.json"
+_MARKER_FORMAT = "quantkit-compressed-tensors"
+# the compressed-tensors release this export was written and checked against (with transformers 5.24)
+TESTED_VERSION = "0.20.0"
+# transformers' own minimum for loading compressed-tensors checkpoints (its CompressedTensorsHfQuantizer)
+_MIN_VERSION = (0, 15)
+# tokenizer and generation files an HF model directory may hold; copied as they are
+_COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.txt",
+           "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+           "chat_template.jinja", "chat_template.json", "generation_config.json", "preprocessor_config.json")
+# one safetensors file up to this size, else shards with an index (transformers' default max_shard_size)
+_SHARD_BYTES = 5 * 1000**3
+# verification, in two tiers. Per layer: each int8 linear of the loaded model is fed its own
+# input and compared with quantkit's q/dq math on it (torch's quantized_decomposed ops). They
+# differ only where a value lies within float32 rounding of a half step: compressed-tensors
+# adds the zero point before rounding, torch after (measured on all-MiniLM-L6-v2: worst layer
+# 67 dB static). Dynamic per-token scales are the consumer's own (compressed-tensors divides
+# amax by 127.5, quantkit and vLLM by 127), so layers agree at int8 noise level there. A wrong
+# scale, zero point or layout gives < 20 dB. End to end, those few flipped integers cascade
+# through later quantizations to int8 noise level (MiniLM static: embedding cosine mean 0.9987,
+# min 0.994, where quantkit's int8 vs float is min 0.992), so the model-level bar is looser.
+_MIN_LAYER_SQNR_DB = {"static": 50.0, "dynamic": 30.0}
+_MIN_MEAN_COSINE = 0.99
+
+@dataclass(frozen=True)
+class CompressedTensorsExport:
+    """What :func:`export_compressed_tensors` wrote.
+
+    Attributes:
+        path: the HF model directory.
+        linears: how many nn.Linear layers are stored int8.
+        kept_float: ``"module: why"`` for each quantized layer the format cannot express, kept
+            float (only with ``skip_unsupported``).
+        dequantized: modules whose weight-only int8 weights (embeddings) are stored as the float
+            values quantkit's model computes with (vLLM loads no int8 embeddings).
+        verification: the comparison with quantkit's model (``samples``, ``min_cosine``,
+            ``mean_cosine``, ``sqnr_db``) after loading with transformers.
+        versions: compressed-tensors, transformers and torch versions it was checked with.
+    """
+
+    path: Path
+    linears: int
+    kept_float: tuple[str, ...]
+    dequantized: tuple[str, ...]
+    verification: dict
+    versions: dict
+
+
+def check_available() -> str:
+    """The installed compressed-tensors version; a one-line error saying how to install it if absent."""
+    try:
+        import compressed_tensors
+    except ImportError:
+        raise QuantkitError("the compressed-tensors format needs the compressed-tensors package: "
+                            "pip install 'quantkit[serve]'") from None
+    version = getattr(compressed_tensors, "__version__", "0")
+    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    if parts < _MIN_VERSION:
+        raise QuantkitError(f"compressed-tensors {version} is too old for transformers' loader (needs >= "
+                            f"{'.'.join(map(str, _MIN_VERSION))}); pip install 'quantkit[serve]'")
+    return version
+
+
+def check_out_dir(path: str | os.PathLike, *, overwrite: bool, flag: str = "overwrite=True",
+                  exists_error: type[QuantkitError] = QuantkitError) -> Path:
+    """Check that ``path`` may be written: absent, empty, or (with ``overwrite``) a previous
+    export holding only the files it recorded in ``quantkit_export.json``."""
+    path = Path(path)
+    _atomic.recover(path)
+    if not (path.exists() or path.is_symlink()):
+        return path
+    if not path.is_dir() or path.is_symlink():
+        raise QuantkitError(f"output {str(path)!r} exists and is not a directory; choose another output path")
+    if not overwrite:
+        raise exists_error(f"output directory {str(path)!r} already exists; pass {flag} to replace it")
+    entries = sorted(os.listdir(path))
+    if not entries:
+        return path
+    try:
+        doc = json.loads((path / MARKER_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        doc = None
+    if not isinstance(doc, dict) or doc.get("format") != _MARKER_FORMAT:
+        raise QuantkitError(f"output directory {str(path)!r} is not empty and is not a quantkit compressed-tensors "
+                            "export; refusing to replace it, choose another output path")
+    foreign = [e for e in entries if e != MARKER_FILE and e not in set(doc.get("files") or ())]
+    if foreign:
+        raise QuantkitError(f"output directory {str(path)!r} also holds {', '.join(map(repr, foreign[:3]))}, which "
+                            "quantkit did not write; refusing to replace it, move them or choose another output path")
+    return path
+
+
+def _captured_class(qmodel: GraphModule):
+    """The transformers class the graph was captured from (the root of its ``nn_module_stack``)."""
+    import transformers
+
+    for node in qmodel.graph.nodes:
+        for fqn, t in (node.meta.get("nn_module_stack") or {}).values():
+            if str(fqn) in ("", "L['self']", "L__self__"):
+                name = t if isinstance(t, str) else f"{t.__module__}.{t.__qualname__}"
+                cls = getattr(transformers, name.rsplit(".", 1)[-1], None)
+                if name.startswith("transformers.") and isinstance(cls, type) \
+                        and issubclass(cls, transformers.PreTrainedModel):
+                    return cls
+                return None
+    return None
+
+
+def _meta_model(cls, config):
+    try:
+        with torch.device("meta"):
+            return cls(config)
+    except Exception as exc:
+        first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        raise QuantkitError(f"could not build {cls.__name__} from the model's config.json ({first.strip()}); "
+                            "pass model_class= the class the model was captured from") from None
+
+
+def _quant_args(kind: str, *, symmetric: bool, strategy: str) -> dict:
+    return {"num_bits": 8, "type": "int", "symmetric": symmetric, "strategy": strategy,
+            "dynamic": kind != "static", "group_size": None, "block_structure": None, "actorder": None,
+            "observer": None}
+
+
+def _quantization_config(plan: Plan, float_linears: list[str], version: str) -> dict:
+    """compressed-tensors' ``quantization_config``: one group per distinct scheme. A single
+    scheme targets ``Linear`` with the float linears in ``ignore`` (llm-compressor's layout)."""
+    groups: dict[tuple, list[str]] = {}
+    for name, layer in plan.linears.items():
+        groups.setdefault(layer.signature(), []).append(name)
+    config_groups = {}
+    for i, (sig, names) in enumerate(sorted(groups.items(), key=lambda kv: kv[1][0])):
+        strategy, kind, symmetric = sig
+        act_strategy = "tensor" if kind == "static" else "token"
+        config_groups[f"group_{i}"] = {
+            "targets": ["Linear"] if len(groups) == 1 else sorted(names),
+            "weights": _quant_args("static", symmetric=True, strategy=strategy),
+            "input_activations": _quant_args(kind, symmetric=symmetric, strategy=act_strategy),
+            "output_activations": None,
+            "format": "int-quantized",
+        }
+    return {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+            "config_groups": config_groups, "ignore": sorted(float_linears), "kv_cache_scheme": None,
+            "global_compression_ratio": None, "version": version}
+
+
+def _tensors(qmodel: GraphModule, hf, plan: Plan) -> tuple[dict[str, torch.Tensor], list[tuple[str, str]]]:
+    """Every persistent tensor of the HF model, by name: int8 linears with their scales, the
+    dequantized weights, the rest from quantkit's model. Returns ``(tensors, untied)``: pairs
+    of tied HF parameters that are now stored differently (one int8, one float)."""
+    own = dict(qmodel.named_parameters(remove_duplicate=False))
+    own.update(dict(qmodel.named_buffers(remove_duplicate=False)))
+    aliases: dict[int, list[str]] = {}
+    for name, p in hf.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    alias_of = {n: group for group in aliases.values() for n in group}
+    out: dict[str, torch.Tensor] = {}
+    quantized: set[str] = set()
+    missing = []
+    for key in hf.state_dict():
+        module, _, leaf = key.rpartition(".")
+        layer = plan.linears.get(module)
+        if layer is not None and leaf == "weight":
+            out[key] = layer.weight.q.contiguous()
+            out[f"{module}.weight_scale"] = layer.weight.scale_2d().contiguous()
+            if layer.act.kind == "static":
+                out[f"{module}.input_scale"] = torch.tensor([layer.act.scale], dtype=torch.float32)
+                if not layer.act.symmetric:
+                    out[f"{module}.input_zero_point"] = torch.tensor([layer.act.int8_zero_point()], dtype=torch.int8)
+            quantized.add(key)
+        elif key in plan.dequantized:
+            out[key] = plan.dequantized[key]
+        elif key in own:
+            out[key] = own[key].detach()
+        else:
+            missing.append(key)
+    for key in list(missing):  # a tied parameter quantkit's graph holds under its other name
+        twin = next((n for n in alias_of.get(key, ()) if n in out and n not in quantized), None)
+        if twin is not None:
+            out[key] = out[twin]
+            missing.remove(key)
+    if missing:
+        raise QuantkitError(f"quantkit's model has no tensor for {missing[0]!r} ({len(missing)} of the "
+                            f"{type(hf).__name__} checkpoint's tensors); export the model that was captured from "
+                            "this checkpoint, or pass model_class= the class it was captured from")
+    untied = []
+    for group in aliases.values():
+        kinds = {n in quantized for n in group}
+        if len(group) > 1 and len(kinds) > 1:
+            untied.append(tuple(group))
+    seen: set[int] = set()
+    for k, v in out.items():  # safetensors refuses tensors that share storage (tied or views)
+        v = v.contiguous()
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen and v.numel() else v
+        seen.add(ptr)
+    return out, untied
+
+
+def _save(tensors: dict[str, torch.Tensor], directory: Path) -> list[str]:
+    """safetensors, in shards with an index past :data:`_SHARD_BYTES`; returns the file names."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(tensors):
+        t = tensors[key]
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > _SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += n
+    if len(shards) == 1:
+        save_file(shards[0], str(directory / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names, weight_map = [], {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / name), metadata={"format": "pt"})
+        names.append(name)
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2), encoding="utf-8")
+    return names + ["model.safetensors.index.json"]
+
+
+def _config(model_dir: Path, cls, qconfig: dict, untied: list) -> dict:
+    doc = _hf._config_json(model_dir)
+    if "quantization_config" in doc:
+        raise QuantkitError(f"{str(model_dir / 'config.json')!r} already has a quantization_config; export from the "
+                            "float checkpoint")
+    doc = dict(doc)
+    doc["architectures"] = [cls.__name__]
+    if untied:
+        if not _is_embedding_tie(untied):
+            raise QuantkitError(f"tied parameters {', '.join(untied[0])} would be stored one int8 and one float, and "
+                                "only tied word embeddings can be untied in config.json; keep one of them float "
+                                "with --skip")
+        doc["tie_word_embeddings"] = False  # lm_head int8, the embedding float: stored apart
+    doc["quantization_config"] = qconfig
+    return doc
+
+
+def _is_embedding_tie(untied: list) -> bool:
+    return all(any(n.endswith("lm_head.weight") or "embed" in n for n in group) for group in untied)
+
+
+def _main_tensor(out) -> torch.Tensor:
+    keys = list(out.keys()) if hasattr(out, "keys") else []
+    for k in ("logits", "last_hidden_state"):
+        if k in keys and isinstance(out[k], torch.Tensor):
+            return out[k]
+    values = [out[k] for k in keys] if keys else (list(out) if isinstance(out, (tuple, list)) else [out])
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v
+    raise QuantkitError(f"the model returned no float tensor ({type(out).__name__}) to compare")
+
+
+def _rows(out, batch) -> torch.Tensor:
+    """Rows compared by cosine, as quantkit's reports compare: one per real token for logits,
+    a mean-pooled sentence embedding for other [batch, tokens, ...] outputs with an attention
+    mask, else one per sample."""
+    t = _main_tensor(out)
+    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+    if mask is not None and t.dim() >= 3 and tuple(mask.shape) == tuple(t.shape[:2]):
+        real = mask.bool()
+        keys = list(out.keys()) if hasattr(out, "keys") else []
+        if "logits" in keys:
+            return t[real].reshape(int(real.sum()), -1).double()
+        m = real.unsqueeze(-1).to(torch.float64)
+        return (t.double().reshape(*t.shape[:2], -1) * m).sum(1) / m.sum(1).clamp(min=1)
+    return t.reshape(t.shape[0], -1).double()
+
+
+def _compare(reference, candidate, batches: list) -> dict:
+    cos = []
+    with torch.no_grad():
+        for batch in batches:
+            ref = _rows(call_model(reference, batch), batch)
+            got = _rows(call_model(candidate, batch), batch)
+            if ref.shape != got.shape:
+                raise QuantkitError(f"transformers' model of the export returns shape {tuple(got.shape)} where "
+                                    f"quantkit's returns {tuple(ref.shape)}")
+            cos.append(torch.nn.functional.cosine_similarity(ref, got, dim=-1))
+    c = torch.cat(cos)
+    if not bool(torch.isfinite(c).all()):
+        raise QuantkitError("transformers' model of the export produced NaN or inf where quantkit's model did not")
+    return {"rows": int(c.numel()), "min_cosine": float(c.min()), "mean_cosine": float(c.mean())}
+
+
+def _sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
+    noise = float((ref.double() - got.double()).pow(2).sum())
+    return math.inf if noise == 0 else 10 * math.log10(max(float(ref.double().pow(2).sum()), 1e-300) / noise)
+
+
+def _quantkit_input(x: torch.Tensor, act) -> torch.Tensor:
+    """quantkit's quantization of a linear's input, with torch's quantized_decomposed ops."""
+    qd = torch.ops.quantized_decomposed
+    args = (act.quant_min, act.quant_max, act.dtype)
+    if act.kind == "static":
+        q = qd.quantize_per_tensor.default(x, act.scale, act.zero_point, *args)
+        return qd.dequantize_per_tensor.default(q, act.scale, act.zero_point, *args)
+    scale, zp = qd.choose_qparams_per_token.default(x, act.dtype)
+    q = qd.quantize_per_token.default(x, scale, zp, *args)
+    return qd.dequantize_per_token.default(q, scale, zp, *args, x.dtype)
+
+
+def _layer_check(model, plan: Plan, batch) -> dict:
+    """Run the loaded model once, feeding each int8 linear's own input to quantkit's math too;
+    returns the worst per-layer SQNR and its layer."""
+    seen: dict[str, tuple] = {}
+    hooks = []
+    for name in plan.linears:
+        def hook(mod, args, out, name=name):
+            seen.setdefault(name, (args[0].detach(), out.detach(), mod.bias))
+        hooks.append(model.get_submodule(name).register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            call_model(model, batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    worst, where = math.inf, None
+    with torch.no_grad():
+        for name, (x, out, bias) in seen.items():
+            layer = plan.linears[name]
+            w = layer.weight.dequantized(x.dtype).to(x.device)
+            ref = torch.nn.functional.linear(_quantkit_input(x, layer.act), w, bias)
+            db = _sqnr_db(ref, out)
+            if db < worst:
+                worst, where = db, name
+    return {"layers": len(seen), "worst_layer_sqnr_db": None if worst == math.inf else round(worst, 2),
+            "worst_layer": where}
+
+
+def _reference(qmodel: GraphModule, plan: Plan) -> torch.nn.Module:
+    """quantkit's model with the quantizations the format drops removed (skip_unsupported):
+    what the consumer should compute. The graph is copied; tensors are shared, not copied."""
+    if not plan.bypass:
+        return qmodel
+    graph = copy.deepcopy(qmodel.graph)  # keeps the pytree input/output handling
+    ref = GraphModule(qmodel, graph)
+    nodes = {n.name: n for n in graph.nodes}
+    memo: dict = {}
+    for name in plan.bypass:
+        dq = nodes[name]
+        dq.replace_all_uses_with(float_value(graph, dq, memo))
+    graph.eliminate_dead_code()
+    ref.recompile()
+    ref.meta.update(qmodel.meta)
+    return ref
+
+
+def _check_loaded(model, plan: Plan, info: dict) -> None:
+    bad = [(what, k) for what in ("missing_keys", "unexpected_keys", "mismatched_keys") for k in (info.get(what) or ())]
+    if bad:
+        what, key = bad[0]
+        raise QuantkitError(f"transformers reports {what.replace('_', ' ')[:-1]} {key!r} loading the export "
+                            f"({len(bad)} such); the checkpoint does not fit its config")
+    for name, layer in plan.linears.items():
+        mod = model.get_submodule(name)
+        checks = [("weight", layer.weight.q), ("weight_scale", layer.weight.scale_2d())]
+        if layer.act.kind == "static":
+            checks.append(("input_scale", torch.tensor([layer.act.scale], dtype=torch.float32)))
+        for attr, expected in checks:
+            got = getattr(mod, attr, None)
+            if not isinstance(got, torch.Tensor) or got.dtype != expected.dtype or not torch.equal(got, expected):
+                raise QuantkitError(f"transformers loaded {name}.{attr} of the export differently from quantkit's "
+                                    "tensor; the compressed-tensors version may not match (checked with "
+                                    f"{TESTED_VERSION})")
+
+
+def _verify(directory: Path, cls, plan: Plan, reference, batches: list, dtype: torch.dtype) -> dict:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    try:
+        model, info = cls.from_pretrained(str(directory), dtype=dtype, local_files_only=True,
+                                          output_loading_info=True, trust_remote_code=False)
+    except Exception as exc:
+        first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        raise QuantkitError(f"transformers could not load the export ({first.strip()[:300]}); nothing was written") \
+            from None
+    model.eval()
+    device = next((t.device for t in (batches[0].values() if isinstance(batches[0], dict) else batches[0])
+                   if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    model.to(device)
+    _check_loaded(model, plan, info)
+    dynamic = any(layer.act.kind != "static" for layer in plan.linears.values())
+    bar = _MIN_LAYER_SQNR_DB["dynamic" if dynamic else "static"]
+    layers = _layer_check(model, plan, batches[0])
+    if layers["layers"] != len(plan.linears):
+        raise QuantkitError(f"only {layers['layers']} of the {len(plan.linears)} int8 linears ran in transformers' "
+                            "model of the export; the module names do not match, please report it")
+    worst = layers["worst_layer_sqnr_db"]
+    if worst is not None and not worst >= bar:
+        raise QuantkitError(f"transformers computes {layers['worst_layer']} of the export differently from quantkit "
+                            f"({worst:.1f} dB SQNR on the same input, < {bar:g} dB); nothing was written, "
+                            f"please report it (checked with compressed-tensors {TESTED_VERSION})")
+    result = {**layers, **_compare(reference, model, batches), "min_layer_sqnr_db": bar,
+              "min_mean_cosine": _MIN_MEAN_COSINE}
+    if not result["mean_cosine"] >= _MIN_MEAN_COSINE:
+        raise QuantkitError(f"the export loaded with transformers does not match quantkit's int8 model (mean cosine "
+                            f"{result['mean_cosine']:.5f} < {_MIN_MEAN_COSINE} over {result['rows']} rows); nothing "
+                            "was written, please report it")
+    return result
+
+
+def _default_inputs(qmodel: GraphModule) -> list:
+    capture = qmodel.meta.get("quantkit_capture")
+    if capture is None:
+        raise QuantkitError("the model has no capture example to verify the export with; pass inputs=[batch, ...]")
+    args, kwargs = capture.get("args", ()), capture.get("kwargs", {})
+    return [dict(kwargs)] if kwargs else [tuple(args)]
+
+
+def _versions(ct_version: str) -> dict:
+    import transformers
+
+    from .. import __version__
+
+    return {"quantkit": __version__, "compressed_tensors": ct_version, "transformers": transformers.__version__,
+            "torch": torch.__version__}
+
+
+def write_checkpoint(qmodel: GraphModule, model_dir: str | os.PathLike, directory: str | os.PathLike, *,
+                     inputs: Iterable[Any] | None = None, skip_unsupported: bool = False, model_class=None,
+                     record: dict | None = None) -> CompressedTensorsExport:
+    """:func:`export_compressed_tensors` into an existing empty ``directory`` (no atomic swap:
+    the caller's). Raises before writing anything when the recipe cannot be expressed."""
+    ct_version = check_available()
+    if not isinstance(qmodel, GraphModule) or not qmodel.meta.get("quantkit_converted"):
+        raise TypeError(f"export_compressed_tensors expects quantkit's converted model (quantkit.convert, quantize or "
+                        f"load), got {type(qmodel).__name__}")
+    model_dir = Path(model_dir)
+    _hf.check_hf_dir(model_dir)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    cls = model_class or _captured_class(qmodel) or _hf.model_class(model_dir, "auto")[0]
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise QuantkitError(f"model_class must be a transformers model class, got {cls!r}")
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(model_dir), local_files_only=True,
+                                                         trust_remote_code=False)
+    except Exception as exc:
+        first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        raise QuantkitError(f"could not read the config.json in {str(model_dir)!r}: {first.strip()}") from None
+    hf = _meta_model(cls, config)
+    plan = read_graph(qmodel, dict(hf.named_modules()))
+    if plan.unsupported and not skip_unsupported:
+        u = plan.unsupported[0]
+        more = f" and {len(plan.unsupported) - 1} more layers" if len(plan.unsupported) > 1 else ""
+        raise QuantkitError(f"compressed-tensors cannot express {u.what} ({u.module}{more}): {u.hint}, or pass "
+                            "--skip-unsupported (skip_unsupported=True) to keep those layers float")
+    if not plan.linears:
+        why = f"; {plan.unsupported[0].what}: {plan.unsupported[0].hint}" if plan.unsupported else ""
+        raise QuantkitError(f"no layer of the model can be stored int8 in the compressed-tensors format{why}")
+    batches = list(inputs) if inputs is not None else _default_inputs(qmodel)
+    if not batches:
+        raise QuantkitError("inputs is empty; pass at least one batch to verify the export with")
+    tensors, untied = _tensors(qmodel, hf, plan)
+    float_linears = [n for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear) and n not in plan.linears]
+    doc = _config(model_dir, cls, _quantization_config(plan, float_linears, ct_version), untied)
+    from compressed_tensors.quantization import QuantizationConfig
+
+    try:  # the installed compressed-tensors must parse what we write
+        QuantizationConfig.model_validate(doc["quantization_config"])
+    except Exception as exc:
+        first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        raise QuantkitError(f"compressed-tensors {ct_version} rejects the quantization_config ({first}); quantkit "
+                            f"writes the format of compressed-tensors {TESTED_VERSION}") from None
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    files = _save(tensors, directory)
+    (directory / "config.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    files.append("config.json")
+    for name in _COPIED:
+        src = model_dir / name
+        if src.is_file() and not src.is_symlink():
+            shutil.copyfile(src, directory / name)
+            files.append(name)
+    floats = [t for k, t in tensors.items() if t.is_floating_point() and not k.endswith("_scale")]
+    dtype = floats[0].dtype if floats else torch.float32
+    with contextlib.redirect_stderr(io.StringIO()):  # compressed-tensors' progress bars; errors are raised
+        verification = _verify(directory, cls, plan, _reference(qmodel, plan), batches, dtype)
+    kept = tuple(f"{u.module}: {u.what}" for u in plan.unsupported)
+    result = CompressedTensorsExport(path=directory, linears=len(plan.linears), kept_float=kept,
+                                     dequantized=tuple(plan.weight_only), verification=verification,
+                                     versions=_versions(ct_version))
+    marker = {"format": _MARKER_FORMAT, "files": sorted(files + [MARKER_FILE]), "source": str(model_dir),
+              "architecture": cls.__name__, "int8_linears": sorted(plan.linears), "kept_float": list(kept),
+              "weight_only_dequantized": list(plan.weight_only), "untied": [list(g) for g in untied],
+              "verification": verification, "versions": result.versions, **(record or {})}
+    (directory / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
+    return result
+
+
+def export_compressed_tensors(qmodel: GraphModule, model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+                              inputs: Iterable[Any] | None = None, skip_unsupported: bool = False,
+                              overwrite: bool = False, model_class=None) -> CompressedTensorsExport:
+    """Write quantkit's int8 model as a compressed-tensors checkpoint that transformers and vLLM load.
+
+    ``out_dir`` becomes an HF model directory: ``model_dir``'s config.json with a
+    ``quantization_config`` (format ``int-quantized``: int8 per-channel weights, static
+    per-tensor or dynamic per-token int8 activations), safetensors and the tokenizer files.
+    It is written beside ``out_dir``, loaded back with ``transformers`` (the class the model
+    was captured from) and compared with ``qmodel`` on ``inputs``; only a match is put in place.
+
+    Args:
+        qmodel: the converted model (:func:`quantkit.convert` / :func:`quantkit.quantize`) of an
+            HF model captured with :func:`quantkit.capture`.
+        model_dir: the HF model directory it was quantized from (config, tokenizer).
+        out_dir: the directory to create.
+        inputs: batches to verify with (default: the capture example).
+        skip_unsupported: keep layers the format cannot express float (listed in the result)
+            instead of failing.
+        overwrite: replace ``out_dir`` if it is empty or a previous export.
+        model_class: the transformers class ``qmodel`` was captured from (default: read from the graph).
+
+    Returns:
+        A :class:`CompressedTensorsExport`.
+
+    Raises:
+        QuantkitError: compressed-tensors is not installed, ``model_dir`` is not an HF model
+            directory, the recipe cannot be expressed (before anything is written), or the
+            export does not load or match (nothing is left behind).
+
+    Example:
+        >>> quantkit.export_compressed_tensors(qmodel, "models/llama", "out/llama-w8a8")
+    """
+    check_available()
+    _hf.check_hf_dir(model_dir)
+    path = check_out_dir(out_dir, overwrite=overwrite).absolute()
+    with _atomic.atomic_dir(path, check=lambda: check_out_dir(path, overwrite=overwrite)) as tmp:
+        result = write_checkpoint(qmodel, model_dir, tmp, inputs=inputs, skip_unsupported=skip_unsupported,
+                                  model_class=model_class)
+    return CompressedTensorsExport(path=Path(out_dir), linears=result.linears, kept_float=result.kept_float,
+                                   dequantized=result.dequantized, verification=result.verification,
+                                   versions=result.versions)

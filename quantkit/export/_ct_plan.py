@@ -1,0 +1,380 @@
+"""Read a converted quantkit graph as compressed-tensors layers.
+
+Which HF modules hold int8 weights, how their inputs are quantized, which quantized
+tensors the format stores dequantized (weight-only embeddings), and what it cannot
+express. Pure graph reading: nothing here imports compressed-tensors or writes files.
+
+The mapping is general, not per architecture: a quantized ``aten.linear`` names its
+module through torch.export's ``nn_module_stack`` (the HF parameter is ``<module>.weight``),
+its int8 weight is the ``_frozen_param<i>`` buffer its weight ``dequantize`` reads, and its
+input quantization is the ``quantize``/``dequantize`` pair feeding it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..pipeline._convert import DEQUANTIZE_OPS, QUANTIZE_OPS
+from ..pipeline._scopes import module_scopes
+from .._qmath import FLOAT8_DTYPES
+
+__all__ = ["ActQuant", "WeightQuant", "LinearLayer", "Unsupported", "Plan", "read_graph", "PASSTHROUGH"]
+
+aten = torch.ops.aten
+_QD = torch.ops.quantized_decomposed
+
+# ops that move or select elements without changing them: elementwise quantization commutes
+# with them exactly, so dequantize -> op -> quantize with the same qparams stores the same integers
+PASSTHROUGH = frozenset({
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
+    aten.transpose.int, aten.t.default, aten.flatten.using_ints, aten.squeeze.dim, aten.unsqueeze.default,
+    aten.slice.Tensor, aten.select.int, aten.expand.default, aten.contiguous.default, aten.clone.default,
+})
+_CHOOSE = frozenset({_QD.choose_qparams.tensor, _QD.choose_qparams_symmetric.tensor,
+                     _QD.choose_qparams_per_token.default})
+_STATIC_DQ = frozenset({_QD.dequantize_per_tensor.default})
+_DYNAMIC_DQ = frozenset({_QD.dequantize_per_tensor.tensor})
+_TOKEN_DQ = frozenset({_QD.dequantize_per_token.default})
+_CONV = frozenset({aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
+                   aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding})
+_MATMUL = frozenset({aten.matmul.default, aten.bmm.default, aten.mm.default})
+
+# what to do instead, per reason a layer cannot be stored (the CLI flags; the Python API has the same fields)
+HINT_8BIT = "compressed-tensors' int8 scheme (and vLLM) takes full-range 8-bit activations: quantize with " \
+            "--activation affine-uint8 or symmetric-int8"
+HINT_TOKEN = "vLLM runs dynamic int8 activations per token only: quantize with --scheme w8a8-per-token"
+HINT_LINEAR = "the format stores quantized nn.Linear layers only: quantize with --ops linear"
+HINT_LATER = "quantkit's compressed-tensors export writes W8A8 int8 so far"
+
+
+@dataclass(frozen=True)
+class ActQuant:
+    """How a linear's input is quantized: ``"static"`` per tensor (scale, zero point),
+    ``"dynamic-token"`` or ``"dynamic-tensor"`` (chosen at run time)."""
+
+    kind: str
+    dtype: torch.dtype
+    quant_min: int
+    quant_max: int
+    scale: float | None = None
+    zero_point: int | None = None
+
+    def problem(self) -> tuple[str, str] | None:
+        """``(what, hint)`` when compressed-tensors' int-quantized scheme cannot express it exactly."""
+        full = {torch.uint8: (0, 255), torch.int8: (-128, 127)}.get(self.dtype)
+        if self.dtype in FLOAT8_DTYPES:
+            return f"{str(self.dtype).replace('torch.', '')} activations", HINT_LATER
+        if full is None or (self.quant_min, self.quant_max) != full:
+            return (f"{str(self.dtype).replace('torch.', '')} activations in [{self.quant_min}, {self.quant_max}]",
+                    HINT_8BIT)
+        if self.kind == "dynamic-tensor":
+            return "dynamic per-tensor activations", HINT_TOKEN
+        if self.kind == "dynamic-token" and self.dtype != torch.int8:
+            return "asymmetric per-token activations", HINT_TOKEN
+        return None
+
+    @property
+    def symmetric(self) -> bool:
+        # uint8 [0, 255] becomes int8 [-128, 127] with its zero point shifted by -128: asymmetric
+        return self.kind != "static" or (self.dtype == torch.int8 and self.zero_point == 0)
+
+    def int8_zero_point(self) -> int:
+        """The zero point on compressed-tensors' int8 grid [-128, 127] (uint8's shifted by -128)."""
+        assert self.kind == "static" and self.zero_point is not None
+        return self.zero_point - 128 if self.dtype == torch.uint8 else self.zero_point
+
+    def signature(self) -> tuple:
+        return (self.kind, self.symmetric)
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    """An integer weight as convert folded it: ``q`` [out, in], per-channel (``axis``) or per-tensor scales."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    axis: int | None
+    quant_min: int
+    quant_max: int
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight quantkit's model computes with: ``(q - zp) * scale``, as torch's dequantize does."""
+        if self.axis is None:
+            return _QD.dequantize_per_tensor.default(self.q, float(self.scale.reshape(-1)[0]),
+                                                     int(self.zero_point.reshape(-1)[0]), self.quant_min,
+                                                     self.quant_max, self.q.dtype).to(dtype)
+        return _QD.dequantize_per_channel.default(self.q, self.scale, self.zero_point, self.axis, self.quant_min,
+                                                  self.quant_max, self.q.dtype).to(dtype)
+
+    def problem(self) -> tuple[str, str] | None:
+        if self.q.dtype in FLOAT8_DTYPES:
+            return f"{str(self.q.dtype).replace('torch.', '')} weights", HINT_LATER
+        if self.q.dtype != torch.int8 or self.quant_min < -128 or self.quant_max > 127:
+            return f"{str(self.q.dtype).replace('torch.', '')} weights in [{self.quant_min}, {self.quant_max}]", \
+                HINT_LATER
+        if bool((self.zero_point != 0).any()):
+            return "asymmetric int8 weights", "vLLM's int8 kernels take symmetric weights: use a symmetric " \
+                                              "weight observer (the default per_channel_minmax)"
+        if self.axis not in (None, 0) or self.q.dim() != 2:
+            return f"int8 weights quantized along axis {self.axis}", HINT_LINEAR
+        return None
+
+    @property
+    def strategy(self) -> str:
+        return "tensor" if self.axis is None else "channel"
+
+    def scale_2d(self) -> torch.Tensor:
+        """compressed-tensors' layout: ``[out, 1]`` per channel, ``[1]`` per tensor, float32."""
+        s = self.scale.detach().to(torch.float32)
+        return s.reshape(1) if self.axis is None else s.reshape(-1, 1)
+
+
+@dataclass
+class LinearLayer:
+    """An nn.Linear stored int8 with its input quantization."""
+
+    module: str
+    weight: WeightQuant
+    act: ActQuant
+
+    def signature(self) -> tuple:
+        return (self.weight.strategy,) + self.act.signature()
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A quantized layer the format cannot express: where, what, and what to do instead."""
+
+    module: str
+    what: str
+    hint: str
+
+
+@dataclass
+class Plan:
+    """What the export writes: int8 linears, weights written dequantized, and what is left out."""
+
+    linears: dict[str, LinearLayer] = field(default_factory=dict)
+    # HF parameter name -> the dequantized float weight (weight-only embeddings; skipped layers)
+    dequantized: dict[str, torch.Tensor] = field(default_factory=dict)
+    weight_only: list[str] = field(default_factory=list)  # modules whose weight-only int8 is written dequantized
+    unsupported: list[Unsupported] = field(default_factory=list)
+    # activation dequantize nodes whose quantization the format drops (kept float with skip_unsupported)
+    bypass: list[str] = field(default_factory=list)
+
+
+def _attr(gm: torch.nn.Module, target: str):
+    obj = gm
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def _module(node: Node) -> str:
+    scopes = module_scopes(node)
+    return scopes[-1][0] if scopes else ""
+
+
+def _what(user: Node, role: str) -> str:
+    """How an unsupported quantized consumer is named in messages."""
+    if user.target in _CONV:
+        return "a quantized convolution"
+    if user.target == aten.addmm.default:
+        return "GPT-2's Conv1D (addmm), which is not an nn.Linear"
+    if user.target in _MATMUL:
+        return "a quantized matmul between activations" if role == "input" else "a quantized matmul"
+    op = getattr(user.target, "__name__", str(user.target))
+    return f"a quantized input of {op}" if role == "input" else f"{op} with an int8 constant"
+
+
+class _Reader:
+    def __init__(self, gm: GraphModule, hf_modules: dict[str, torch.nn.Module]):
+        self.gm = gm
+        self.hf = hf_modules
+        self.plan = Plan()
+        self.weight_dq: dict[Node, WeightQuant] = {}
+        self.act_dq: dict[Node, ActQuant] = {}
+        self.unknown_dq: dict[Node, str] = {}
+
+    # --- what each dequantize holds -------------------------------------------------------
+    def classify(self) -> None:
+        for node in self.gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target in DEQUANTIZE_OPS:
+                src = node.args[0]
+                if isinstance(src, Node) and src.op == "get_attr":
+                    self.weight_dq[node] = self._weight(node)
+                elif isinstance(src, Node) and src.target in QUANTIZE_OPS:
+                    self.act_dq[node] = self._act(node)
+                else:
+                    self.unknown_dq[node] = "a dequantize of a computed value"
+            elif "dequantize" in str(node.target) or "dequant" in getattr(node.target, "__name__", ""):
+                # quantization representations the export does not read yet (group-wise, int4, ...)
+                self.unknown_dq[node] = f"{node.target} weights"
+
+    def _weight(self, dq: Node) -> WeightQuant:
+        q = _attr(self.gm, str(dq.args[0].target))
+        if dq.target == _QD.dequantize_per_channel.default:
+            scale, zp = (_attr(self.gm, str(a.target)) if isinstance(a, Node) else a for a in dq.args[1:3])
+            axis, qmin, qmax = dq.args[3], dq.args[4], dq.args[5]
+            return WeightQuant(q, torch.as_tensor(scale), torch.as_tensor(zp), int(axis), int(qmin), int(qmax))
+        scale, zp, qmin, qmax = (_attr(self.gm, str(a.target)) if isinstance(a, Node) else a for a in dq.args[1:5])
+        return WeightQuant(q, torch.as_tensor(scale, dtype=torch.float32).reshape(1),
+                           torch.as_tensor(zp).reshape(1), None, int(qmin), int(qmax))
+
+    def _act(self, dq: Node) -> ActQuant:
+        if dq.target in _STATIC_DQ:
+            scale, zp, qmin, qmax, dtype = dq.args[1:6]
+            return ActQuant("static", dtype, int(qmin), int(qmax), float(scale), int(zp))
+        if dq.target in _TOKEN_DQ:
+            qmin, qmax, dtype = dq.args[3:6]
+            return ActQuant("dynamic-token", dtype, int(qmin), int(qmax))
+        if dq.target in _DYNAMIC_DQ:
+            qmin, qmax, dtype = dq.args[3:6]
+            return ActQuant("dynamic-tensor", dtype, int(qmin), int(qmax))
+        raise AssertionError(f"unhandled activation dequantize {dq.target}")  # DEQUANTIZE_OPS are all above
+
+    # --- consumers ------------------------------------------------------------------------
+    def _hf_weight(self, module: str, shape) -> str | None:
+        """``<module>.weight`` when the HF model has that parameter with this shape."""
+        mod = self.hf.get(module)
+        w = getattr(mod, "weight", None) if mod is not None else None
+        return f"{module}.weight" if isinstance(w, torch.Tensor) and tuple(w.shape) == tuple(shape) else None
+
+    def _unsupported(self, module: str, what: str, hint: str) -> None:
+        if not any(u.module == module and u.what == what for u in self.plan.unsupported):
+            self.plan.unsupported.append(Unsupported(module, what, hint))
+
+    def _dequantize_weight(self, module: str, w: WeightQuant) -> bool:
+        name = self._hf_weight(module, w.q.shape)
+        if name is None:
+            return False
+        self.plan.dequantized[name] = w.dequantized()
+        return True
+
+    def read(self) -> Plan:
+        self.classify()
+        linear_inputs: set[Node] = set()
+        for node in self.gm.graph.nodes:
+            if node.op == "call_function" and node.target == aten.linear.default:
+                if self._linear(node):
+                    linear_inputs.add(node.args[0])
+        self._weights_elsewhere()
+        self._activation_uses(linear_inputs)
+        for node, what in self.unknown_dq.items():
+            for user in node.users:
+                self._unsupported(_module(user) or node.name, what, HINT_LATER)
+        return self.plan
+
+    def _linear(self, node: Node) -> bool:
+        """Record one aten.linear; True when it is stored int8 with its input quantization."""
+        module = _module(node)
+        x, w = node.args[0], node.args[1]
+        wq, aq = self.weight_dq.get(w), self.act_dq.get(x)
+        if wq is None and aq is None:
+            return False  # a float linear
+        mod = self.hf.get(module)
+        if not isinstance(mod, torch.nn.Linear) or (wq is not None and self._hf_weight(module, wq.q.shape) is None):
+            owner = type(mod).__name__ if mod is not None else "no module of the HF model"
+            self._unsupported(module or node.name, f"a quantized linear call in {owner}", HINT_LINEAR)
+            if wq is not None:
+                self._dequantize_weight(module, wq)
+            return False
+        problem = None
+        if wq is None:
+            problem = ("an int8 input without int8 weights", HINT_LATER)
+        elif aq is None:
+            problem = ("weight-only int8 (W8A16)", HINT_LATER)
+        else:
+            problem = wq.problem() or aq.problem()
+        if problem is None and module in self.plan.linears:
+            prev = self.plan.linears[module]
+            if prev.act != aq or not torch.equal(prev.weight.q, wq.q):
+                problem = ("one module called with different input quantization", HINT_LINEAR)
+        if problem is not None:
+            self._unsupported(module, *problem)
+            self.plan.linears.pop(module, None)
+            if wq is not None:
+                self._dequantize_weight(module, wq)
+            return False
+        if not any(u.module == module for u in self.plan.unsupported):
+            self.plan.linears[module] = LinearLayer(module, wq, aq)
+            return True
+        return False
+
+    def _weights_elsewhere(self) -> None:
+        """Integer weights read by anything but a linear: weight-only embeddings are written
+        dequantized (their values are exactly what quantkit's model computes with); the rest
+        (conv, GPT-2's addmm, matmul with a constant) cannot be stored."""
+        for dq, wq in self.weight_dq.items():
+            for user in dq.users:
+                if user.target == aten.linear.default and user.args[1] is dq:
+                    continue
+                module = _module(user)
+                if user.target == aten.embedding.default and user.args[0] is dq and \
+                        isinstance(self.hf.get(module), torch.nn.Embedding) and wq.q.dtype == torch.int8:
+                    if self._dequantize_weight(module, wq):
+                        if module not in self.plan.weight_only:
+                            self.plan.weight_only.append(module)
+                        continue
+                what = _what(user, "weight")
+                self._unsupported(module or user.name, what, HINT_LINEAR)
+                self._dequantize_weight(module, wq)
+
+    def _activation_uses(self, linear_inputs: set[Node]) -> None:
+        """Every use of a quantized activation must be a stored linear's input, or pass the
+        integers unchanged to a requantization with the same qparams; anything else is a
+        quantization the format cannot express (its dequantize is bypassed when skipping)."""
+        for dq, aq in self.act_dq.items():
+            for user in list(dq.users):
+                if dq in linear_inputs and user.target == aten.linear.default and user.args[0] is dq:
+                    module = _module(user)
+                    if module in self.plan.linears:
+                        continue
+                if user.target in _CHOOSE:
+                    continue  # a dynamic requantization: its quantize reads this dequantize too
+                if user.target in PASSTHROUGH and user.users and all(
+                        self._same_requant(dq, q) for q in user.users):
+                    continue
+                if not (user.target == aten.linear.default and user.args[0] is dq):  # else: listed already
+                    self._unsupported(_module(user) or user.name, _what(user, "input"), HINT_LINEAR)
+                if dq.name not in self.plan.bypass:
+                    self.plan.bypass.append(dq.name)
+
+    def _same_requant(self, dq: Node, q: Node) -> bool:
+        """``q`` quantizes with exactly ``dq``'s static qparams, and every use of it is stored."""
+        if q.target != _QD.quantize_per_tensor.default or dq.target not in _STATIC_DQ:
+            return False
+        if tuple(q.args[1:6]) != tuple(dq.args[1:6]):
+            return False
+        return all(d in self.act_dq for d in q.users)
+
+
+def read_graph(gm: GraphModule, hf_modules: dict[str, torch.nn.Module]) -> Plan:
+    """Read a converted graph against the HF model's modules (name -> module, e.g. built on
+    the meta device). Pure: ``gm`` is not modified."""
+    return _Reader(gm, hf_modules).read()
+
+
+def float_value(graph: torch.fx.Graph, dq: Node, memo: dict) -> Node:
+    """The float value ``dq`` stands for, with every quantization before it removed: the
+    quantize's input, through passthrough ops back to the first float value (new nodes)."""
+    if dq in memo:
+        return memo[dq]
+    q = dq.args[0]
+    src = q.args[0]
+    if isinstance(src, Node) and src.target in PASSTHROUGH and isinstance(src.args[0], Node) \
+            and src.args[0].target in DEQUANTIZE_OPS and isinstance(src.args[0].args[0], Node) \
+            and src.args[0].args[0].target in QUANTIZE_OPS:
+        inner = float_value(graph, src.args[0], memo)
+        with graph.inserting_after(inner):
+            copy = graph.node_copy(src, lambda n: inner if n is src.args[0] else n)
+        src = copy
+    memo[dq] = src
+    return src
+
