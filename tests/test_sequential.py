@@ -250,3 +250,24 @@ def test_gptq_is_refused_before_any_block_runs(checkpoints, tmp_path):
         quantize_pretrained(checkpoints["llama"], _batches("llama"), quantizer, out=tmp_path / "o", sequential=True,
                             progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_interrupted_while_writing_resumes_without_running_blocks(checkpoints, llama_artifact, tmp_path, monkeypatch):
+    path, out = checkpoints["llama"], tmp_path / "out"
+    real_finish = _sequential._Run._finish
+
+    def interrupted(self, partial):
+        raise KeyboardInterrupt  # Ctrl-C once every block is done, before the artifact is written
+
+    monkeypatch.setattr(_sequential._Run, "_finish", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_pretrained(path, _batches("llama"), out=out, sequential=True, progress=False)
+    assert not out.exists()
+    monkeypatch.setattr(_sequential._Run, "_finish", real_finish)
+    ran: list[int] = []
+    real = _sequential._Run._load_weights
+    monkeypatch.setattr(_sequential._Run, "_load_weights", lambda self, b: (ran.append(b.index), real(self, b)))
+    quantize_pretrained(path, _batches("llama"), out=out, sequential=True, resume=True, progress=False)
+    assert ran == []
+    a, b = quantkit.load(llama_artifact).state_dict(), quantkit.load(out).state_dict()
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)

@@ -386,7 +386,7 @@ class _Run:
                         raise FileNotFoundError(partial.block_file(b).name)
                 partial.restore_observers(done, self.observers)
                 cache.resume(done)
-                for i in range(len(self.batches)):
+                for i in range(len(self.batches) if done < len(self.blocks) - 1 else 0):  # the tail hands nothing on
                     cache.get(i)
             except Exception as exc:  # missing or foreign files: a one-line error, never a traceback
                 raise QuantkitError(f"the partial run in {str(partial.path)!r} is damaged ({type(exc).__name__}); "
