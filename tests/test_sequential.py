@@ -271,3 +271,22 @@ def test_interrupted_while_writing_resumes_without_running_blocks(checkpoints, l
     assert ran == []
     a, b = quantkit.load(llama_artifact).state_dict(), quantkit.load(out).state_dict()
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("layers,unit", [(1, ("model.layers", 1)), (3, ("model.layers", 3))])
+def test_partition_finds_the_layers_from_the_graph(tmp_path, layers, unit):
+    from quantkit.pipeline._meta_capture import capture_without_weights, empty_model
+    from quantkit.pipeline._partition import find_repeated_unit, partition
+
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(tmp_path)  # config.json only: the capture reads no weights
+    gm = capture_without_weights(empty_model(tmp_path), _batches("llama")[0])
+    assert find_repeated_unit(gm) == unit
+    blocks = partition(gm)
+    assert [b.name for b in blocks] == ["head"] + [f"model.layers.{i}" for i in range(layers)] + ["tail"]
+    for i, b in enumerate(blocks[1:-1]):  # each layer's block reads exactly that layer's weights
+        assert b.attributes and all(a.startswith(f"model.layers.{i}.") for a in b.attributes)
+        assert len(b.inputs) >= 3  # hidden states, mask, rotary cos and sin cross the boundary
+    assert "lm_head.weight" in blocks[-1].attributes and "model.embed_tokens.weight" in blocks[0].attributes

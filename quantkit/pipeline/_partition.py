@@ -66,16 +66,18 @@ def find_repeated_unit(gm: GraphModule) -> tuple[str, int]:
                 runs.setdefault(m["parent"], {}).setdefault(int(m["index"]), []).append(_signature(node))
     best = None
     for parent, entries in runs.items():
-        if len(entries) < 2 or sorted(entries) != list(range(len(entries))):
+        if sorted(entries) != list(range(len(entries))):
             continue
         first = entries[0]
         if any(ops != first for ops in entries.values()):
             continue
-        covered = len(first) * len(entries)
-        if best is None or covered > best[0]:
-            best = (covered, parent, len(entries))
+        # a list of two or more identical entries first (a one-layer model's list of one otherwise),
+        # then the one covering the most nodes (transformer layers before the experts inside them)
+        key = (len(entries) >= 2, len(first) * len(entries))
+        if best is None or key > best[0]:
+            best = (key, parent, len(entries))
     if best is None:
-        raise CaptureError("found no repeated unit (a list of at least two identical layers) in the captured graph; "
+        raise CaptureError("found no repeated unit (a list of identical layers) in the captured graph; "
                            "this model cannot be quantized block by block, quantize it in memory")
     return best[1], best[2]
 
