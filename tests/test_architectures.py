@@ -74,7 +74,7 @@ def test_llama_compiles_and_matches_reference():
     torch.manual_seed(0)
     model, x = MODELS["llama"]()
     qm = quantkit.quantize(model, x, [x], W8A8Quantizer(), progress=False)
-    fast = quantkit.compile(qm)
+    fast = quantkit.compile(qm, float_dtype="fp32")  # exactness of the int8 lowering (bf16: test_bf16_lowering)
     with torch.no_grad():
         ref, out = _main(qm(**x)), _main(fast(**x))
     assert sqnr(ref, out) > 40, f"compiled vs reference SQNR {sqnr(ref, out):.1f} dB"

@@ -120,3 +120,23 @@ def test_compile_bf16_keeps_every_int8_kernel():
     assert y.dtype == torch.float32
     rel = _rel(y, ref)
     assert rel < BF16_REL_TOL, f"compiled int8+bf16 vs reference relative error {rel:.2e}"
+
+
+def test_llama_graph_runs_in_bf16():
+    """Llama's explicit .to(float32) (RMSNorm, rotary) comes with export's dtype asserts and mixes
+    float32 into attention: every float op must still read one dtype (SDPA refuses mixed q/k/v)."""
+    from tests.test_architectures import MODELS, _main
+
+    torch.manual_seed(0)
+    model, x = MODELS["llama"]()
+    qm = quantkit.quantize(model, x, [x], W8A8Quantizer(), progress=False)
+    gm = copy.deepcopy(qm)
+    counts = _bf16.float_ops_to_bf16(gm)
+    assert counts.get("dtype_asserts_dropped", 0) > 0
+    assert not [n for n in gm.graph.nodes if n.target is aten._assert_tensor_metadata.default
+                and n.kwargs.get("dtype") == torch.float32]
+    with torch.no_grad():
+        ref, out = _main(qm(**x)), _main(gm(**x))  # eager: a dtype mismatch raises here
+    assert out.dtype == torch.float32
+    rel = _rel(out, ref)
+    assert rel < BF16_REL_TOL, f"Llama bf16 vs reference relative error {rel:.2e}"

@@ -116,6 +116,13 @@ def float_ops_to_bf16(gm: GraphModule) -> dict[str, int]:
             if node.target not in _QUANT_READS_BF16 and node.args:
                 node.args = (to_fp32(node.args[0]),) + tuple(node.args[1:])
             continue
+        if node.target is aten._assert_tensor_metadata.default:
+            # export's runtime check that a tensor is float32 (beside Llama's explicit .to(float32)
+            # in RMSNorm / rotary): the pass changes such dtypes on purpose; the check computes nothing
+            if node.kwargs.get("dtype") == torch.float32 and not node.users:
+                graph.erase_node(node)
+                counts["dtype_asserts_dropped"] = counts.get("dtype_asserts_dropped", 0) + 1
+            continue
         if node.target is operator.getitem:
             if node.args[0] in bf16 and _orig_dtype(gm, node) == torch.float32:
                 bf16.add(node)
@@ -134,8 +141,10 @@ def float_ops_to_bf16(gm: GraphModule) -> dict[str, int]:
         node.kwargs = torch.fx.node.map_arg(node.kwargs, visit)
         inserted |= set(casts.values()) - before
         val = node.meta.get("val")
-        explicit = node.kwargs.get("dtype")  # e.g. _to_copy(x, dtype=float32), full(..., dtype=float32)
-        if reads_float and explicit is None and (isinstance(val, torch.Tensor) and val.dtype == torch.float32
+        # an explicit dtype (_to_copy(x, dtype=float32), aten.to.dtype(x, torch.float32), full(..., dtype=))
+        # decides the output's dtype: not bf16; its float readers cast it
+        explicit = any(isinstance(a, torch.dtype) for a in list(node.args) + list(node.kwargs.values()))
+        if reads_float and not explicit and (isinstance(val, torch.Tensor) and val.dtype == torch.float32
                                                  or isinstance(val, (tuple, list))):
             bf16.add(node)
     out = next(n for n in graph.nodes if n.op == "output")
