@@ -6,8 +6,8 @@ state of another observer of its kind (``obs.merge(other)``).
 """
 
 from ._base import PER_CHANNEL, PER_TENSOR, PER_TOKEN, QuantkitObserver, declared_qscheme
-from ._hessian import HessianObserver
 from ._groupwise import PER_GROUP, GroupwiseWeightObserver
+from ._hessian import HessianObserver
 from ._histogram import HistogramMethod, HistogramObserver, PerChannelMSEObserver
 from ._minmax import (
     MinMaxObserver,
