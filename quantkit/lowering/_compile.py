@@ -99,7 +99,8 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", float_dtype: s
         wo = lower_weight_only(gm, "cuda" if target is Target.TRITON else "cpu")
         gm.meta[LOWERING_META_KEY].update({k: v for k, v in wo.items() if v})  # counts only what it rewrote
     if cpu_kernels != "reference" or target is Target.TRITON:  # FP8 linears: torch._scaled_mm (_fp8.py)
-        gm.meta[LOWERING_META_KEY].update(lower_fp8(gm, "cuda" if target is Target.TRITON else "cpu"))
+        fp8 = lower_fp8(gm, "cuda" if target is Target.TRITON else "cpu")
+        gm.meta[LOWERING_META_KEY].update({k: v for k, v in fp8.items() if v})  # counts only what it rewrote
     # int8-mixed-bf16: counts of casts (not around FP8 _scaled_mm: its scales and bias stay float32)
     if dtype == torch.bfloat16 and target is not Target.TRITON and not gm.meta[LOWERING_META_KEY].get("fp8_linear"):
         gm.meta[LOWERING_META_KEY].update(float_ops_to_bf16(gm))
