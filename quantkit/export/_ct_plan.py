@@ -215,7 +215,9 @@ class _Reader:
                     self.unknown_dq[node] = "a dequantize of a computed value"
             elif "dequantize" in str(node.target) or "dequant" in getattr(node.target, "__name__", ""):
                 # quantization representations the export does not read yet (group-wise, int4, ...)
-                self.unknown_dq[node] = f"{node.target} weights"
+                name = str(node.target)
+                self.unknown_dq[node] = ("FP8 (float8) quantization" if "float8" in name else
+                                         f"quantization by {name.split('.')[-2] if '.' in name else name}")
 
     def _weight(self, dq: Node) -> WeightQuant:
         q = _attr(self.gm, str(dq.args[0].target))
