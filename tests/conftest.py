@@ -16,6 +16,10 @@ if "QUANTKIT_CACHE_DIR" not in os.environ:
 
     os.environ["QUANTKIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="quantkit-test-cache-")
 logging.getLogger("torchao").setLevel(logging.ERROR)
+# triton.jit picks interpreter or compiler when a kernel is decorated, i.e. when quantkit.kernels is
+# first imported -- which a lowering test anywhere in the session may do before tests/kernels runs
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 

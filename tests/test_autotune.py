@@ -160,6 +160,25 @@ def test_cli_recipe_forcing(mlp_files, tmp_path):
     assert any(n.target == torch.ops.quantized_decomposed.choose_qparams_per_token.default for n in qmodel.graph.nodes)
 
 
+def test_cli_recipe_gptq_rounds_the_weights(mlp_files, tmp_path):
+    """--recipe gptq must reach QuantConfig(weight_algorithm='gptq'): its int8 weights differ from
+    --recipe static's (same calibration data and ranges otherwise) and the recipe records it."""
+    outs = {}
+    for name in ("static", "gptq"):
+        outs[name] = tmp_path / name
+        assert main(_args(mlp_files, outs[name], "--recipe", name)) == 0
+    doc = _report(outs["gptq"])[1]
+    assert doc["recipe"]["weight_algorithm"] == "gptq"
+
+    def int8_weights(out):
+        sd = quantkit.load(out).state_dict()
+        return [v for k, v in sorted(sd.items()) if v.dtype == torch.int8 and v.dim() == 2]
+
+    static, gptq = int8_weights(outs["static"]), int8_weights(outs["gptq"])
+    assert len(static) == len(gptq) >= 2
+    assert any(not torch.equal(a, b) for a, b in zip(static, gptq))
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--recipe", "fastest"], "unknown --recipe 'fastest'; use auto or one of static, "),
     (["--recipe", "static", "--scheme", "w8a8"], "--recipe static conflicts with --scheme (a hand-written recipe)"),

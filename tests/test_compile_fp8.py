@@ -48,9 +48,13 @@ def test_fp8_linears_become_scaled_mm(block, kwargs):
     assert lower_fp8(lowered) == {"fp8_linear": 4}
     ops = _ops(lowered)
     assert ops[torch.ops.aten._scaled_mm.default] == 4 and ops[torch.ops.aten.linear.default] == 0
-    # the weights' float8 dequantizes are gone; the activations' float8 quantizes feed _scaled_mm
-    assert ops[_AO.dequantize_affine_float8_non_decomposed.default] == \
-        _ops(conv)[_AO.dequantize_affine_float8_non_decomposed.default] - 8
+    # the 4 linears' 8 float8 dequantizes are gone; every other float8 q/dq is now aten ops
+    # (x.float() * scale; x.float() / scale, clamped, cast), which Inductor fuses
+    dq, q = _AO.dequantize_affine_float8_non_decomposed.default, _AO.quantize_affine_float8_non_decomposed.default
+    assert ops[dq] == ops[q] == 0
+    before = _ops(conv)
+    assert ops[torch.ops.aten.mul.Tensor] - before[torch.ops.aten.mul.Tensor] == before[dq] - 8
+    assert ops[torch.ops.aten.clamp.default] - before[torch.ops.aten.clamp.default] == before[q]
     weights = [b for n, b in lowered.named_buffers() if n.startswith("_frozen_param")]
     assert len(weights) == 4 and all(w.dtype == torch.float8_e4m3fn for w in weights)
     x2 = torch.randn(3, 16, 32)
@@ -99,3 +103,51 @@ def test_cuda_lowering_runs_rowwise_scaled_mm(block, kwargs):
         db_compiled = sqnr(ref, quantkit.compile(conv)(x.cuda()))
     # bf16 output: relative rounding 2**-9 (about 54 dB), accumulation order aside
     assert db >= 40 and db_compiled >= 40, (db, db_compiled)
+
+
+
+def test_decomposed_per_token_quantize_is_bit_identical_to_torchaos_op():
+    from quantkit.lowering._fp8 import _decompose_quantize
+
+    op = torch.ops.torchao.quantize_affine_float8_non_decomposed.default
+    graph = torch.fx.Graph()
+    x, scale = graph.placeholder("x"), graph.placeholder("scale")
+    graph.output(graph.call_function(op, (x, scale, torch.float8_e4m3fn)))
+    reference = torch.fx.GraphModule(torch.nn.Module(), copy.deepcopy(graph))
+    node = next(n for n in graph.nodes if n.target == op)
+    _decompose_quantize(graph, node)
+    decomposed = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert op not in {n.target for n in decomposed.graph.nodes}
+    gen = torch.Generator().manual_seed(0)
+    xs = torch.randn(3, 5, 64, generator=gen) * torch.logspace(-3, 3, 64)
+    sc = xs.abs().amax(-1, keepdim=True) / 448 * 0.5  # half the range: some values saturate
+    a, b = reference(xs, sc), decomposed(xs, sc)
+    assert a.dtype == b.dtype == torch.float8_e4m3fn
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    from quantkit.lowering._fp8 import _decompose_dequantize
+
+    op = torch.ops.torchao.dequantize_affine_float8_non_decomposed.default
+    graph = torch.fx.Graph()
+    q, scale = graph.placeholder("q"), graph.placeholder("scale")
+    graph.output(graph.call_function(op, (q, scale, torch.float32)))
+    reference = torch.fx.GraphModule(torch.nn.Module(), copy.deepcopy(graph))
+    _decompose_dequantize(graph, next(n for n in graph.nodes if n.target == op))
+    decomposed = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert op not in {n.target for n in decomposed.graph.nodes}
+    assert torch.equal(reference(a, sc), decomposed(a, sc))
+
+
+def test_per_token_fp8_compiles_after_torchao_x86_inductor_passes_are_imported(block):
+    """Importing torchao's X86 Inductor quantizer registers an Inductor lowering for its float8 quantize
+    op that asserts on per-token scales ("Only support per-tensor quantization for float8 now"); the
+    FP8 lowering hands Inductor the decomposed aten ops instead."""
+    import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer  # noqa: F401  (registers the lowering)
+
+    _, x, _ = block
+    conv = _converted(block, _LAYOUTS["token x tensor"])
+    compiled = quantkit.compile(conv)
+    with torch.no_grad():
+        db = sqnr(conv(x), compiled(x))
+    assert compiled._orig_mod.meta["quantkit_lowering"]["fp8_linear"] == 4
+    assert db >= 40, f"compiled FP8 vs reference q/dq: {db:.1f} dB"

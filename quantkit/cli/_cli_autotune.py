@@ -40,7 +40,9 @@ def requested(args) -> list | None:
     target = getattr(args, "target", None)
     if target is not None and not 0 < target <= 1:  # held-out cosine and top-1 agreement lie in [-1, 1]
         raise inputs.UsageError(f"--target must be in (0, 1] (a held-out mean cosine or top-1 agreement), got {target:g}")
-    manual = [flag for attr, flag in _MANUAL if getattr(args, attr, None) not in (None, False)]
+    # identity, not ==: `--accuracy-budget 0` gives 0.0, and 0.0 == False
+    manual = [flag for attr, flag in _MANUAL if getattr(args, attr, None) is not None
+              and getattr(args, attr, None) is not False]
     if name is None and manual:
         if getattr(args, "target", None) is not None or getattr(args, "strict", False):
             raise inputs.UsageError(f"--target/--strict apply to --recipe auto, not to {manual[0]}; drop one of them")
@@ -108,6 +110,7 @@ def _as_cli(auto, base, skip=()):
     return dataclasses.replace(base, activation=None, dynamic=auto.dynamic, granularity=auto.granularity,
                                observer="minmax" if auto.dynamic else auto.act_observer,
                                smoothquant=auto.smoothquant, accuracy_budget=None,
+                               weight_algorithm=auto.weight_algorithm,
                                skip=tuple(base.skip) + tuple(s for s in skip if s not in base.skip))
 
 

@@ -200,8 +200,8 @@ class Recipe:
         return {"scheme": self.scheme, "activation": cfg.activation.value, "dynamic": cfg.dynamic,
                 "granularity": cfg.granularity.value, "ops": sorted(cfg.ops),
                 "observer": None if self.dynamic else self.observer,
-                "weight_observer": self.weight_observer, "skip": list(self.skip),
-                "smoothquant": self.smoothquant, "accuracy_budget": self.accuracy_budget,
+                "weight_observer": self.weight_observer, "weight_algorithm": self.weight_algorithm,
+                "skip": list(self.skip), "smoothquant": self.smoothquant, "accuracy_budget": self.accuracy_budget,
                 "metric": self.metric if self.accuracy_budget is not None else None}
 
     def config(self):

@@ -123,11 +123,60 @@ def lower_fp8(gm: GraphModule, device: str = "cpu") -> dict[str, int]:
         node.replace_all_uses_with(out)
         graph.erase_node(node)
         count += 1
+    # every float8 quantize becomes aten ops (bit-identical), also those feeding no lowered linear
+    # (attention matmuls): see _decompose_quantize for why Inductor must not see torchao's op
+    for n in [n for n in graph.nodes if n.op == "call_function" and n.target in FLOAT8_QUANTIZE_OPS]:
+        _decompose_quantize(graph, n)
+    for n in [n for n in graph.nodes if n.op == "call_function" and n.target in FLOAT8_DEQUANTIZE_OPS]:
+        _decompose_dequantize(graph, n)
     graph.eliminate_dead_code()
     _drop_unused_attrs(gm)
     graph.lint()
     gm.recompile()
     return {"fp8_linear": count}
+
+
+def _decompose_quantize(graph, x_q: Node) -> Node:
+    """The float8 quantize ``x_q`` as aten ops (float32 ``x / scale``, clamp to the format's
+    range, cast: torchao's ``_quantize_affine_float8`` step for step, so bit-identical).
+
+    Inductor must not see torchao's op with a per-token scale: once torchao's x86 Inductor
+    passes are imported (``X86InductorQuantizer`` does it), its lowering of that op asserts
+    "Only support per-tensor quantization for float8 now" (torchao 0.18)."""
+    x, scale = x_q.args[0], x_q.args[1]
+    dtype = x_q.args[2] if len(x_q.args) > 2 else x_q.kwargs.get("float8_dtype", torch.float8_e4m3fn)
+    big = torch.finfo(dtype).max
+    with graph.inserting_after(x_q):
+        f32 = graph.call_function(aten._to_copy.default, (x,), {"dtype": torch.float32})
+        with graph.inserting_after(f32):
+            div = graph.call_function(aten.div.Tensor, (f32, scale))
+            with graph.inserting_after(div):
+                clamp = graph.call_function(aten.clamp.default, (div, -big, big))
+                with graph.inserting_after(clamp):
+                    out = graph.call_function(aten._to_copy.default, (clamp,), {"dtype": dtype})
+    out.meta.update(x_q.meta)
+    x_q.replace_all_uses_with(out)
+    graph.erase_node(x_q)
+    return out
+
+
+def _decompose_dequantize(graph, dq: Node) -> None:
+    """The float8 dequantize ``dq`` as aten ops (float32 ``x * scale``, cast to the output dtype:
+    torchao's ``_dequantize_affine_float8`` for scales that broadcast, as every quantkit FP8 scale
+    does), for the reason given in :func:`_decompose_quantize`."""
+    x, scale = dq.args[0], dq.args[1]
+    dtype = dq.args[2] if len(dq.args) > 2 else dq.kwargs.get("output_dtype", torch.float32)
+    with graph.inserting_after(dq):
+        f32 = graph.call_function(aten._to_copy.default, (x,), {"dtype": torch.float32})
+        with graph.inserting_after(f32):
+            mul = graph.call_function(aten.mul.Tensor, (f32, scale))
+            out = mul
+            if dtype != torch.float32:
+                with graph.inserting_after(mul):
+                    out = graph.call_function(aten._to_copy.default, (mul,), {"dtype": dtype})
+    out.meta.update(dq.meta)
+    dq.replace_all_uses_with(out)
+    graph.erase_node(dq)
 
 
 def _drop_unused_attrs(gm: GraphModule) -> None:
