@@ -13,7 +13,6 @@ group's qparams are chosen when the first of its columns comes up in the permute
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -76,20 +75,6 @@ def _inverse_hessian_cholesky(h: torch.Tensor, percdamp: float) -> torch.Tensor:
                      "check the calibration data (constant or NaN activations?)")
 
 
-@contextlib.contextmanager
-def _threads_for(elements: int):
-    """One intra-op thread for the column loop's small updates (``elements`` per op): below
-    ~1M elements, thread hand-offs cost more than they save (measured on a 2-core CPU: a
-    384 x 128 block of column updates took 0.03 s on one thread, 2.7 s on two under load)."""
-    before = torch.get_num_threads()
-    if elements < 1 << 20 and before > 1:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: WeightScheme,
                   config: GPTQConfig = GPTQConfig()) -> GPTQResult:
     """Round ``weight`` (``[N, K]``) with GPTQ for the input second moment ``hessian`` (``[K, K]``).
@@ -126,15 +111,15 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: WeightSch
     w[:, dead] = 0
     perm = torch.argsort(torch.diag(h), descending=True, stable=True) if config.act_order else torch.arange(k)
     w, h = w[:, perm], h[perm][:, perm]
-    with _threads_for(k * k):
-        hinv = _inverse_hessian_cholesky(h, float(config.percdamp))
+    hinv = _inverse_hessian_cholesky(h, float(config.percdamp))
     invperm = torch.argsort(perm)
     group_of = (perm // gs).tolist()  # group of each permuted column
 
     q = torch.zeros(n, k, dtype=torch.float64, device=w.device)
     bs = config.block_size
-    with _threads_for(n * bs):
-        _column_loop(w, hinv, q, scale, zp, have, group_of, invperm, scheme, gs, bs)
+    # (no torch.set_num_threads around this loop: changing the intra-op pool mid-process broke
+    # later oneDNN/ATen parallel regions, "vector::reserve", measured in the test suite)
+    _column_loop(w, hinv, q, scale, zp, have, group_of, invperm, scheme, gs, bs)
     q = q[:, invperm].to(torch.int64)
     deq = scheme.dequantize(q, scale, zp)
     return GPTQResult(q=q, scale=scale, zero_point=zp, dequantized=deq)
