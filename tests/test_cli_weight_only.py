@@ -9,26 +9,15 @@ import torch
 
 import quantkit
 from quantkit.cli import main
+from tests.cli_factories import mlp_quantize_args, write_mlp_inputs
 
 
 @pytest.fixture
 def mlp_inputs(tmp_path):
-    from safetensors.torch import save_file
-
-    from tests.cli_factories import mlp
-
-    torch.manual_seed(1)
-    weights = tmp_path / "mlp.safetensors"
-    save_file(mlp().state_dict(), str(weights))  # 64 -> 128 -> 128 -> 32 linears
-    calib = tmp_path / "calib"
-    calib.mkdir()
-    torch.save(torch.randn(24, 64, generator=torch.Generator().manual_seed(0)), calib / "b.pt")
-    return weights, calib
+    return write_mlp_inputs(tmp_path, calib_rows=24)
 
 
-def _args(weights, calib, out, *extra):
-    return ["quantize", "tests.cli_factories:mlp", "--weights", str(weights), "--example-input", "8x64:float32",
-            "--calib", str(calib), "--out", str(out), "--quiet", *extra]
+_args = mlp_quantize_args
 
 
 @pytest.mark.parametrize("extra,expected", [
