@@ -9,10 +9,21 @@ import torch
 
 from quantkit.observers import get as get_observer
 
-__all__ = ["ActivationScheme", "Granularity", "QuantConfig", "QUANTIZABLE_OPS"]
+__all__ = ["ActivationScheme", "Granularity", "QuantConfig", "QUANTIZABLE_OPS", "parse_choice"]
 
 # op families W8A8Quantizer knows; "add" (residual adds) is off by default
 QUANTIZABLE_OPS = frozenset({"linear", "conv", "matmul", "add"})
+
+
+def parse_choice(enum_cls, value, what: str, *, shown=None):
+    """``enum_cls(value)``, or a ValueError naming ``what``, the value given (``shown`` when the
+    user wrote something else) and the choices."""
+    try:
+        return enum_cls(value)
+    except ValueError:
+        raise ValueError(
+            f"unknown {what} {value if shown is None else shown!r}; use one of {[c.value for c in enum_cls]}"
+        ) from None
 
 
 class ActivationScheme(str, Enum):
@@ -108,21 +119,11 @@ class QuantConfig:
         act = self.activation
         if act is None:
             act = ActivationScheme.SYMMETRIC_INT8 if self.dynamic else ActivationScheme.AFFINE_UINT8
-        try:
-            act = ActivationScheme(act)
-        except ValueError:
-            raise ValueError(
-                f"unknown activation scheme {self.activation!r}; use one of {[s.value for s in ActivationScheme]}"
-            ) from None
+        act = parse_choice(ActivationScheme, act, "activation scheme", shown=self.activation)
         object.__setattr__(self, "activation", act)
         if not isinstance(self.dynamic, bool):
             raise ValueError(f"dynamic must be True or False, got {self.dynamic!r}")
-        try:
-            granularity = Granularity(self.granularity)
-        except ValueError:
-            raise ValueError(
-                f"unknown granularity {self.granularity!r}; use one of {[g.value for g in Granularity]}"
-            ) from None
+        granularity = parse_choice(Granularity, self.granularity, "granularity")
         object.__setattr__(self, "granularity", granularity)
         if granularity is Granularity.PER_TOKEN:
             if not self.dynamic:

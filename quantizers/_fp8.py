@@ -15,7 +15,7 @@ from quantkit.observers import declared_qscheme
 from quantkit.observers import get as get_observer
 from quantkit.observers._fp8 import Float8DynamicObserver, check_float8_method, float8_observer, kv_cache_observer
 
-from ._config import QUANTIZABLE_OPS, Granularity
+from ._config import QUANTIZABLE_OPS, Granularity, parse_choice
 from ._w8a8 import _ANNOTATION_KEY, _MATMUL, W8A8Quantizer, _is_float_tensor
 
 __all__ = ["FP8Config", "FP8Quantizer", "KV_CACHE_FORMATS"]
@@ -66,12 +66,7 @@ class FP8Config:
     def __post_init__(self) -> None:
         if not isinstance(self.dynamic, bool):
             raise ValueError(f"dynamic must be True or False, got {self.dynamic!r}")
-        try:
-            granularity = Granularity(self.granularity)
-        except ValueError:
-            raise ValueError(
-                f"unknown granularity {self.granularity!r}; use one of {[g.value for g in Granularity]}"
-            ) from None
+        granularity = parse_choice(Granularity, self.granularity, "granularity")
         if granularity is Granularity.PER_TOKEN and not self.dynamic:
             raise ValueError("static FP8 activations are per tensor: per-token scales are chosen at run time; "
                              "pass dynamic=True for granularity='per-token'")
