@@ -13,6 +13,7 @@ from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, Quantiza
 from quantkit._qmath import default_qrange, dequantize_float8, float8_scale, is_per_channel, quantize_float8
 from quantkit.observers import declared_qscheme
 from quantkit.observers import get as get_observer
+from quantkit.observers._declared import declaring
 from quantkit.observers._fp8 import Float8DynamicObserver, check_float8_method, float8_observer, kv_cache_observer
 
 from ._config import QUANTIZABLE_OPS, Granularity, parse_choice
@@ -30,6 +31,7 @@ KV_CACHE_FORMATS = {
 }
 _KV_GRANULARITIES = ("per-tensor", "per-head")
 _WEIGHT_GRANULARITIES = ("per-channel", "per-tensor")
+_WEIGHT_ALGORITHMS = ("rtn", "gptq", "awq")  # quantkit.accuracy._wscheme.WEIGHT_ALGORITHMS
 _SDPA = {aten.scaled_dot_product_attention.default}
 # ops between an attention-score matmul and its softmax, or between the softmax and the
 # matmul with V (scaling, masking, dropout, dtype casts)
@@ -55,6 +57,9 @@ class FP8Config:
         act_observer: registered observer for static activations (``"minmax"``, ``"mse"``,
             ``"percentile"``, ...; the MSE search runs on the E4M3 grid).
         ops: op families to quantize: ``"linear"``, ``"matmul"`` (matmul/bmm), ``"conv"``.
+        weight_algorithm: how linear weights are rounded onto the E4M3 grid: ``"rtn"`` (to
+            nearest, default), ``"gptq"`` (GPTQ's error feedback, run by ``quantkit.calibrate``;
+            same scales, other codes) or ``"awq"``.
     """
 
     dynamic: bool = False
@@ -62,10 +67,13 @@ class FP8Config:
     weight_granularity: str = "per-channel"
     act_observer: str = "minmax"
     ops: frozenset = field(default_factory=lambda: frozenset({"linear", "matmul"}))
+    weight_algorithm: str = "rtn"
 
     def __post_init__(self) -> None:
         if not isinstance(self.dynamic, bool):
             raise ValueError(f"dynamic must be True or False, got {self.dynamic!r}")
+        if self.weight_algorithm not in _WEIGHT_ALGORITHMS:
+            raise ValueError(f"unknown weight_algorithm {self.weight_algorithm!r}; use one of {list(_WEIGHT_ALGORITHMS)}")
         granularity = parse_choice(Granularity, self.granularity, "granularity")
         if granularity is Granularity.PER_TOKEN and not self.dynamic:
             raise ValueError("static FP8 activations are per tensor: per-token scales are chosen at run time; "
@@ -142,6 +150,8 @@ class FP8Quantizer(W8A8Quantizer):
         kv_granularity: ``"per-tensor"`` (default) or ``"per-head"``.
         act_observer: observer for static activations (and the KV cache).
         ops: op families (default ``{"linear", "matmul"}``).
+        weight_algorithm: ``"rtn"`` (default), ``"gptq"`` or ``"awq"``: how linear weights are
+            rounded onto the E4M3 grid (GPTQ/AWQ run in ``quantkit.calibrate``).
 
     Example:
         >>> prepared = quantkit.prepare(gm, FP8Quantizer(dynamic=True, granularity="per-token"))
@@ -150,10 +160,11 @@ class FP8Quantizer(W8A8Quantizer):
     def __init__(self, dynamic: bool = False, granularity: str = "per-tensor",
                  weight_granularity: str = "per-channel", kv_cache: Optional[str] = None, *,
                  kv_granularity: str = "per-tensor", act_observer: str = "minmax",
-                 ops=frozenset({"linear", "matmul"})) -> None:
+                 ops=frozenset({"linear", "matmul"}), weight_algorithm: str = "rtn") -> None:
         super().__init__()
         self.global_config = FP8Config(dynamic=dynamic, granularity=granularity,
-                                       weight_granularity=weight_granularity, act_observer=act_observer, ops=ops)
+                                       weight_granularity=weight_granularity, act_observer=act_observer, ops=ops,
+                                       weight_algorithm=weight_algorithm)
         if kv_cache is not None and kv_cache not in KV_CACHE_FORMATS:
             raise ValueError(f"unknown kv_cache {kv_cache!r}; use None or one of {list(KV_CACHE_FORMATS)}")
         if kv_granularity not in _KV_GRANULARITIES:
@@ -193,6 +204,8 @@ class FP8Quantizer(W8A8Quantizer):
         lo, hi = default_qrange(dtype)
         per_channel = config.weight_granularity == "per-channel"
         ctor = get_observer("per_channel_minmax" if per_channel else "minmax")
+        if config.weight_algorithm != "rtn":  # rounded by GPTQ/AWQ in quantkit.calibrate
+            ctor = declaring(ctor, weight_algorithm=config.weight_algorithm)
         return QuantizationSpec(
             dtype=dtype, quant_min=lo, quant_max=hi,
             qscheme=torch.per_channel_symmetric if per_channel else torch.per_tensor_symmetric,

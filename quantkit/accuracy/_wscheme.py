@@ -1,5 +1,6 @@
 """WeightScheme: how a weight observer quantizes a linear weight, as the rounding algorithms
-(GPTQ, AWQ) need it: group-wise or per-channel integer qparams and round-to-nearest."""
+(GPTQ, AWQ) need it: group-wise or per-channel integer qparams and round-to-nearest (or NF4
+codes, or the float8 E4M3/E5M2 grid with ``amax / float8_max`` scales)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .._qmath import NF4_VALUES, DEFAULT_EPS, choose_qparams, fake_quantize, is_symmetric, underlying_dtype
+from .._qmath import (NF4_VALUES, DEFAULT_EPS, FLOAT8_DTYPES, choose_qparams, dequantize_float8, fake_quantize,
+                      float8_scale, is_symmetric, quantize_float8, underlying_dtype)
 
 __all__ = ["WeightScheme", "WEIGHT_ALGORITHMS"]
 
@@ -27,6 +29,9 @@ class WeightScheme:
         eps: smallest scale.
         customized_qrange: the range was given by the user (see ``_qmath.choose_qparams``).
         nf4: NF4 codes (QLoRA's table) with per-group absmax scales instead of integers.
+        float8: the float8 grid of ``dtype`` (``float8_e4m3fn``/``float8_e5m2``) with scales
+            ``amax / float8_max`` (``_qmath.float8_scale``) and ``_qmath.quantize_float8``'s
+            rounding (nearest, ties to even, saturating); codes ``q`` are the stored bytes (0..255).
     """
 
     quant_min: int
@@ -37,12 +42,15 @@ class WeightScheme:
     eps: float = DEFAULT_EPS
     customized_qrange: bool = False
     nf4: bool = False
+    float8: bool = False
 
     def __post_init__(self) -> None:
         if not self.quant_min < self.quant_max:
             raise ValueError(f"quant_min must be below quant_max, got [{self.quant_min}, {self.quant_max}]")
         if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size < 1):
             raise ValueError(f"group_size must be a positive int or None, got {self.group_size!r}")
+        if self.float8 and (self.dtype not in FLOAT8_DTYPES or not self.symmetric or self.nf4):
+            raise ValueError(f"a float8 weight scheme is symmetric with a float8 dtype, got dtype {self.dtype}")
 
     @classmethod
     def of(cls, obs) -> "WeightScheme":
@@ -60,6 +68,7 @@ class WeightScheme:
             eps=float(eps.reshape(-1)[0]) if isinstance(eps, torch.Tensor) else float(eps),
             customized_qrange=bool(getattr(obs, "has_customized_qrange", False)),
             nf4=getattr(obs, "scheme", None) == "nf4",
+            float8=bool(getattr(obs, "float8_rounding", False)),
         )
 
     def group(self, in_features: int) -> int:
@@ -71,6 +80,8 @@ class WeightScheme:
 
     def row_qparams(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One ``(scale, zero_point)`` per row of ``w`` (``[N, k]``), from the row's min/max."""
+        if self.float8:  # amax / float8_max, as the FP8 weight observers (symmetric)
+            return float8_scale(w.abs().amax(1), self.dtype, self.eps), torch.zeros(w.shape[0], dtype=torch.int64)
         if self.nf4:  # absmax, as _qmath.nf4_scales
             return w.abs().amax(1).float().clamp(min=self.eps), torch.zeros(w.shape[0], dtype=torch.int64)
         qscheme = torch.per_channel_symmetric if self.symmetric else torch.per_channel_affine
@@ -89,6 +100,9 @@ class WeightScheme:
         n, k = w.shape
         gs = self.group(k)
         flat = w.float().reshape(n * (k // gs), gs)
+        if self.float8:
+            s = scale.reshape(-1, 1).float()
+            return dequantize_float8(quantize_float8(flat, s, self.dtype), s).reshape(n, k)
         if self.nf4:
             q, _ = self.round(flat, scale.reshape(-1, 1).float(), zero_point.reshape(-1, 1))
             return (self._table(w.device)[q] * scale.reshape(-1, 1).float()).reshape(n, k)
@@ -105,7 +119,12 @@ class WeightScheme:
 
     def round(self, x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q, dequantized)`` of ``x`` for broadcastable qparams, in ``x``'s float dtype: integers
-        ``clamp(round(x / scale) + zp)``, or NF4 codes (the nearest table value, ties down)."""
+        ``clamp(round(x / scale) + zp)``, NF4 codes (the nearest table value, ties down), or float8
+        bytes (``quantize_float8``, in float32)."""
+        if self.float8:
+            s = scale.float()
+            q8 = quantize_float8(x.float(), s, self.dtype)
+            return q8.view(torch.uint8).to(torch.int64), dequantize_float8(q8, s).to(x.dtype)
         if self.nf4:
             table = self._table(x.device).to(x.dtype)
             q = torch.bucketize(x / scale.to(x.dtype), (table[1:] + table[:-1]) / 2)
@@ -118,6 +137,8 @@ class WeightScheme:
         """Float32 weight from integers/codes ``q`` (``[N, K]``) and ``[N, G]`` qparams."""
         gs = q.shape[1] // scale.shape[1]
         s = scale.repeat_interleave(gs, dim=1).double()
+        if self.float8:
+            return (q.to(torch.uint8).view(self.dtype).double() * s).float()
         if self.nf4:
             return (self._table(q.device).double()[q.long()] * s).float()
         return ((q.double() - zero_point.repeat_interleave(gs, dim=1).double()) * s).float()
