@@ -238,6 +238,13 @@ def _run(args) -> int:
     return run_inspect(args, print) if args.command == "inspect" else run_eval(args, print)
 
 
+def _stderr_line(line: str) -> None:
+    """One write per line: under torchrun every rank shares one stderr pipe, and print()'s separate
+    write of the newline let another rank's line land in between."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``quantkit`` command line; returns the exit code."""
     _silence_imports()
@@ -247,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
     except _UsageExit as exc:
-        print(f"quantkit: error: {_one_line(exc)}", file=sys.stderr)
+        _stderr_line(f"quantkit: error: {_one_line(exc)}")
         return EXIT_USAGE
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
@@ -269,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                 return _run(args)
         except KeyboardInterrupt as exc:
             sigterm = isinstance(exc, Terminated)
-            print(f"quantkit: interrupted{' (SIGTERM)' if sigterm else ''}", file=sys.stderr)
+            _stderr_line(f"quantkit: interrupted{' (SIGTERM)' if sigterm else ''}")
             return 143 if sigterm else 130
         except BrokenPipeError:  # `quantkit inspect DIR | head`: the reader left, which is not an error
             with contextlib.suppress(OSError, ValueError):
@@ -282,16 +289,16 @@ def main(argv: list[str] | None = None) -> int:
             from .._errors import QuantkitError
 
             if isinstance(exc, UsageError):
-                print(f"quantkit: error: {_one_line(exc)}", file=sys.stderr)
+                _stderr_line(f"quantkit: error: {_one_line(exc)}")
                 return EXIT_USAGE
             if isinstance(exc, (QuantkitError, ValueError, TypeError)):  # user errors of the API, one line
-                print(f"quantkit: error: {_one_line(exc)}", file=sys.stderr)
+                _stderr_line(f"quantkit: error: {_one_line(exc)}")
             elif isinstance(exc, OSError) and exc.strerror:
                 where = f" ({exc.filename})" if exc.filename else ""
-                print(f"quantkit: error: {exc.strerror}{where}; check the path and its permissions", file=sys.stderr)
+                _stderr_line(f"quantkit: error: {exc.strerror}{where}; check the path and its permissions")
             else:  # a bug in quantkit or in the model: still one line, with how to see more
-                print(f"quantkit: error: unexpected failure ({_one_line(exc)}); set QUANTKIT_DEBUG=1 for the "
-                      "traceback and report it", file=sys.stderr)
+                _stderr_line(f"quantkit: error: unexpected failure ({_one_line(exc)}); set QUANTKIT_DEBUG=1 for the "
+                      "traceback and report it")
             return EXIT_FAILED
 
 
