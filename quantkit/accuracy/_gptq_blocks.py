@@ -1,0 +1,281 @@
+"""GPTQ over the chain of blocks of ``pipeline._partition``: each block's inputs cached, each block run once.
+
+GPTQ rounds a transformer block's linears from the Hessians of their inputs, computed with
+every earlier block already rounded. Re-running the model's prefix for every block costs
+O(L²) block forwards; here the inputs of the *rounded stream* (the values the chain hands on
+with rounded weights) are cached per calibration batch, so that each block runs once to
+collect its Hessians and once more, rounded, to hand its outputs on: O(L).
+
+The same functions serve both paths, so that they agree by construction:
+
+- in memory (:func:`run_gptq_blocks`, called by ``_rounding.run_gptq``): the prepared model
+  is partitioned and its rounded stream kept in memory (``None`` when the graph cannot be
+  partitioned or its GPTQ groups do not fit the chain: the caller re-runs prefixes instead);
+- block by block from safetensors (:class:`SequentialGPTQ`, called by
+  ``pipeline._sequential``): the rounded stream goes through an ``ActivationCache`` (in
+  memory within the budget, on disk above it and for resuming).
+
+Within a block, the linears of one GPTQ group (``RoundedLinear.block``: a transformer layer,
+or a head/tail module such as a pooler) share one data pass; groups of the same partition
+block (the tail's pooler then classifier) are rounded one after the other, each seeing the
+earlier ones rounded, as the prefix re-run does.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from quantkit.observers._tokens import token_mask
+
+from ._gptq import GPTQConfig
+from ._rounding import RoundedLinear, _is_observer, _modules, _Stop, _StopHere, round_linears
+
+__all__ = ["RoundedBlock", "plan_gptq", "round_block", "head_values", "run_gptq_blocks", "SequentialGPTQ"]
+
+Groups = list[tuple[str, list[RoundedLinear]]]
+
+
+class RoundedBlock:
+    """A partition block run with its observers bypassed (attributes shared with the block's
+    module as they are now), into which Hessian taps are inserted."""
+
+    def __init__(self, block) -> None:
+        module = block.module
+        modules = _modules(module)
+        graph = Graph()
+        env: dict[Node, Node] = {}
+        graph.output(graph.graph_copy(module.graph, env))
+        for old, new in env.items():
+            if _is_observer(old, modules):
+                new.replace_all_uses_with(new.args[0])
+        for old, new in list(env.items()):
+            if _is_observer(old, modules):
+                graph.erase_node(new)
+                del env[old]
+        self.block = block
+        self.gm = GraphModule(module, graph, class_name=f"Rounded{block.index}")
+        # node of the partitioned (prepared) graph -> node of this graph
+        self.node_of = {block.origin[old.name]: new for old, new in env.items() if old.name in block.origin}
+
+    def __call__(self, values: dict) -> dict:
+        """The block's outputs (observers bypassed) for the boundary values it reads."""
+        return dict(zip(self.block.outputs, self.gm(*[values[name] for name in self.block.inputs])))
+
+    def hessians(self, sources: list[Node], n: int, get: Callable[[int], dict], masks: list) -> dict:
+        """One pass over the ``n`` cached inputs (``get(i)``), recording the input Hessian of
+        each of ``sources`` (nodes of the prepared graph); the pass stops after the last one."""
+        from quantkit.observers import HessianObserver
+
+        graph = self.gm.graph
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        last_placeholder = [node for node in graph.nodes if node.op == "placeholder"][-1]
+        added, hessians = [], {}
+        where = {src: self.node_of[src] for src in sources}
+        for k, src in enumerate(sorted(sources, key=lambda s: order[where[s]])):
+            h = hessians[src] = HessianObserver()
+            h.node_name = src.name
+            name = f"_qk_hessian_{k}"
+            self.gm.add_submodule(name, h)
+            at = where[src]
+            with graph.inserting_after(last_placeholder if at.op == "placeholder" else at):
+                added.append(graph.call_module(name, (at,)))
+        stop = "_qk_hessian_stop"
+        self.gm.add_submodule(stop, _StopHere())
+        last_tap = max(added, key=lambda t: order.get(t.args[0], -1))
+        with graph.inserting_after(last_tap):
+            added.append(graph.call_module(stop, (last_tap,)))
+        self.gm.recompile()
+        try:
+            with torch.no_grad():
+                for i in range(n):
+                    values = get(i)
+                    with token_mask(masks[i]):
+                        try:
+                            self.gm(*[values[name] for name in self.block.inputs])
+                        except _Stop:
+                            pass
+        finally:
+            for t in reversed(added):
+                graph.erase_node(t)
+                delattr(self.gm, str(t.target))
+            self.gm.recompile()
+        return hessians
+
+
+def plan_gptq(blocks: list, linears: list[RoundedLinear]) -> dict[int, Groups] | None:
+    """The GPTQ groups of each partition block (index -> ``[(group name, linears)]`` in graph
+    order), or None when a group spans several blocks or the groups do not follow the chain."""
+    member: dict[Node, int] = {}
+    for blk in blocks:
+        for node in blk.module.graph.nodes:
+            if node.op not in ("placeholder", "output", "get_attr") and node.name in blk.origin:
+                member[blk.origin[node.name]] = blk.index
+    groups: dict[str, list[RoundedLinear]] = {}
+    for lin in linears:
+        groups.setdefault(lin.block, []).append(lin)
+    plan: dict[int, Groups] = {}
+    last = -1
+    for name, lins in groups.items():
+        where = {member.get(lin.node) for lin in lins}
+        if len(where) != 1 or None in where:
+            return None
+        b = where.pop()
+        if b < last:
+            return None
+        last = b
+        plan.setdefault(b, []).append((name, lins))
+    return plan
+
+
+def round_block(rb: RoundedBlock, groups: Groups, n: int, get: Callable[[int], dict], masks: list, *,
+                config: GPTQConfig, owners: list[torch.nn.Module]) -> list[dict]:
+    """Round the linears of ``groups`` (all in ``rb``'s block) with GPTQ, group after group:
+    one pass over the block's ``n`` cached inputs each, then :func:`round_linears`. The rounded
+    weights are set on ``owners`` (the first holds the float weights) and on ``rb``."""
+    records = []
+    for name, lins in groups:
+        hessians = rb.hessians(list(dict.fromkeys(lin.source for lin in lins)), n, get, masks)
+        records += round_linears(lins, hessians, name, config, [*owners, rb.gm])
+    return records
+
+
+def head_values(gm: GraphModule, batch) -> dict:
+    """The graph's placeholder values for one calibration batch (the head block's inputs)."""
+    import torch.utils._pytree as pytree
+    from torch.export._tree_utils import reorder_kwargs
+
+    from .._errors import QuantkitError
+    from ..pipeline._inputs import as_args_kwargs
+
+    args, kwargs = as_args_kwargs(batch)
+    in_spec = gm.graph._codegen.pytree_info.in_spec
+    leaves, _ = pytree.tree_flatten((args, reorder_kwargs(kwargs, in_spec)))
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(leaves) != len(names):
+        raise QuantkitError(f"a calibration batch has {len(leaves)} inputs, the captured model takes "
+                            f"{len(names)}; give every batch the first batch's keys")
+    return dict(zip(names, leaves))
+
+
+def _later_inputs(blocks: list) -> list[set]:
+    return [set().union(*(b.inputs for b in blocks[i + 1:])) for i in range(len(blocks))]
+
+
+def run_gptq_blocks(prepared: GraphModule, linears: list[RoundedLinear], data: Iterable, *,
+                    max_batches: int | None, config: GPTQConfig = GPTQConfig()) -> list[dict] | None:
+    """In-memory GPTQ on ``prepared`` with each partition block run once per pass; None (nothing
+    done) when the graph has no chain of blocks that holds the GPTQ groups."""
+    from .._errors import CaptureError
+    from ..pipeline._calibrate import _padding_mask
+    from ..pipeline._partition import partition
+
+    try:
+        blocks = partition(prepared)
+    except CaptureError:
+        return None
+    plan = plan_gptq(blocks, linears)
+    if plan is None:
+        return None
+    batches = list(data) if max_batches is None else list(itertools.islice(data, max_batches))
+    masks = [_padding_mask(b) for b in batches]
+    values = [head_values(prepared, b) for b in batches]
+    later = _later_inputs(blocks)
+    last = max(plan)
+    records: list[dict] = []
+    for blk in blocks[:last + 1]:
+        rb = RoundedBlock(blk)
+        if blk.index in plan:
+            records += round_block(rb, plan[blk.index], len(values), values.__getitem__, masks, config=config,
+                                   owners=[prepared])
+        if blk.index < last:
+            with torch.no_grad():
+                values = [{k: x for k, x in {**v, **rb(v)}.items() if k in later[blk.index]} for v in values]
+    return records
+
+
+class SequentialGPTQ:
+    """GPTQ inside the block-by-block run: the float stream (the observers' data) is the run's
+    own activation cache; this keeps the rounded stream, which equals the float one until the
+    first block with GPTQ linears, in a second cache under the partial directory."""
+
+    def __init__(self, prepared: GraphModule, blocks: list, batches: list, partial_path: Path,
+                 budget: int | None, config: GPTQConfig = GPTQConfig()) -> None:
+        from ..pipeline._calibrate import _padding_mask
+        from ..pipeline._seq_state import ActivationCache
+        from ._rounding import find_rounded_linears
+
+        linears = [lin for lin in find_rounded_linears(prepared) if lin.algorithm == "gptq"]
+        plan = plan_gptq(blocks, linears)
+        if plan is None:
+            from .._errors import QuantkitError
+
+            raise QuantkitError("GPTQ's layer groups do not follow the model's chain of blocks; "
+                                "quantize this model in memory")
+        self.plan, self.blocks, self.config = plan, blocks, config
+        self.n = len(batches)
+        self.masks = [_padding_mask(b) for b in batches]
+        self.later = _later_inputs(blocks)
+        self.last = max(plan) if plan else -1
+        self.cache = ActivationCache(Path(partial_path) / "gptq", budget)
+        self.diverged = False
+        self.records: list[dict] = []
+
+    @staticmethod
+    def wanted(prepared: GraphModule) -> bool:
+        from ._rounding import pending_algorithms
+
+        return "gptq" in pending_algorithms(prepared)
+
+    def resume(self, done: int, block_file: Callable[[int], Path], observers: dict) -> None:
+        """Continue after block ``done``: the rounded stream it wrote, and the qparams GPTQ fixed."""
+        from safetensors import safe_open
+
+        self.diverged = any(b <= done for b in self.plan)
+        if self.diverged and done < self.last:
+            self.cache.resume(done)
+            for i in range(self.n):
+                self.cache.get(i)
+        for b in range(done + 1):
+            with safe_open(str(block_file(b)), framework="pt") as f:
+                for key in f.keys():
+                    if key.startswith("p:scale:"):
+                        target = key[len("p:scale:"):]
+                        observers[target].set_qparams(f.get_tensor(key), f.get_tensor(f"p:zero_point:{target}"))
+
+    def round(self, block, float_inputs: Callable[[int], dict]) -> dict[str, torch.Tensor]:
+        """After the block's float pass: round its GPTQ linears (weights set on ``block.module``)
+        and hand the rounded stream on; returns the fixed qparams to store with the block."""
+        groups = self.plan.get(block.index)
+        if not groups and (not self.diverged or block.index >= self.last):
+            return {}
+        get = self.cache.get if self.diverged else float_inputs
+        rb = RoundedBlock(block)
+        fixed: dict[str, torch.Tensor] = {}
+        if groups:
+            self.records += round_block(rb, groups, self.n, get, self.masks, config=self.config,
+                                        owners=[block.module])
+            modules = dict(block.module.named_modules())
+            for _, lins in groups:
+                for lin in lins:
+                    target = next(t for t, m in modules.items() if m is lin.observer)
+                    scale, zp = lin.observer.calculate_qparams()
+                    fixed[f"p:scale:{target}"], fixed[f"p:zero_point:{target}"] = scale.detach(), zp.detach()
+        self.diverged = True
+        if block.index < self.last:
+            self.cache.start(block.index)
+            with torch.no_grad():
+                for i in range(self.n):
+                    values = get(i)
+                    keep = {k: x for k, x in {**values, **rb(values)}.items() if k in self.later[block.index]}
+                    self.cache.put(block.index, i, keep)
+        return fixed
+
+    def finish(self, b: int) -> None:
+        """Block ``b`` is committed: its rounded outputs become the next block's inputs."""
+        if self.diverged and b < self.last:
+            self.cache.finish(b)
