@@ -25,7 +25,12 @@ class HessianObserver(QuantkitObserver):
     the merge of two observers equals one observer that saw both streams.
 
     It gives no qparams: it measures what a rounding algorithm needs, not a range.
+
+    Across processes (:func:`quantkit.observers.sync`) the sums and row counts are summed:
+    every rank gets the same ``XᵀX``, equal to merging the ranks' observers in rank order.
     """
+
+    sync_ops = {"xtx": "sum", "rows": "sum"}
 
     def __init__(self, dtype=torch.quint8, qscheme=torch.per_tensor_affine, **kwargs) -> None:
         kwargs.pop("ch_axis", None)

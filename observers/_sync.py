@@ -13,18 +13,21 @@ Each observer exposes its state as tensors with a declared reduction:
   concatenated in rank order and every rank replays the average over them, so the result is
   bit-identical to one process averaging rank 0's batches, then rank 1's, and so on (with
   :func:`quantkit.shard`'s contiguous split of a list: the original order);
-- declared: an observer with ``sync_ops = {"buffer": "min"|"max"|"sum", ...}`` has those
-  buffers reduced so (e.g. a Hessian ``X^T X`` and its row count: ``"sum"``);
+- declared: an observer with ``sync_ops = {"buffer": "min"|"max"|"sum"|"cat", ...}`` has those
+  buffers reduced so (e.g. a Hessian ``X^T X`` and its row count: ``"sum"``); ``"cat"``
+  concatenates the ranks' ``[n_rank, ...]`` buffers along dim 0 in rank order (sampled rows,
+  per-batch statistics to replay), bit for bit;
 - observers without statistics (placeholder, fixed, derived) are left alone.
 
 Anything else (torchao's moving-average and histogram observers, whose states have no exact
 reduction) is refused in one line naming it. Tensors with the same reduction and dtype go
-into one flat buffer: a sync makes a fixed handful of collectives (at most 8: observer check,
-shapes, MIN/MAX per dtype, SUM per dtype), not one per observer.
+into one flat buffer: a sync makes a fixed handful of collectives (observer check, shapes,
+MIN/MAX per dtype, SUM per dtype, and MAX per dtype for ``cat`` buffers), not one per observer.
+:func:`sync_observers` does the same for observers outside a graph (GPTQ's Hessians).
 
 A second sync after more calibration adds only the new data: ranks other than 0 subtract
 what the previous sync already summed (histograms and declared sums) or replayed (moving
-averages).
+averages), or send only the rows after it (``cat``).
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ from ._base import QuantkitObserver
 from ._histogram import _bin_exponent, _regrid
 from ._history import BatchHistory
 
-__all__ = ["sync", "MIN", "MAX", "SUM"]
+__all__ = ["sync", "sync_observers", "MIN", "MAX", "SUM", "CAT"]
 
-MIN, MAX, SUM = "min", "max", "sum"
+MIN, MAX, SUM, CAT = "min", "max", "sum", "cat"
 _NONE = -(1 << 62)  # "no value" in MAX-reduced int64 vectors (no rank holds anything smaller)
 _MAXDIM = 4  # dimensions of a statistic whose shape ranks agree on
 _STATELESS = {"eps", "scale", "zero_point"}  # buffers that are configuration, not statistics
@@ -250,7 +253,13 @@ class _ChannelHistogram(_MinMax):
                 self.obs._synced_counts = (values[0].clone(), self.obs.min_val.clone(), self.obs.max_val.clone())
 
 
-_IDENTITY = {MIN: math.inf, MAX: -math.inf, SUM: 0}
+_IDENTITY = {MIN: math.inf, MAX: -math.inf, SUM: 0, CAT: None}
+
+
+def _lowest(dtype: torch.dtype):
+    """The identity of MAX in ``dtype``: ``cat`` buffers are padded with it (MAX keeps every
+    bit of the other rank's value, -0.0 included, where a SUM with 0 would not)."""
+    return -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
 
 
 class _Declared(_Sync):
@@ -268,11 +277,30 @@ class _Declared(_Sync):
         return [(n, op) for n, op in self.obs.sync_ops.items() if op in ops]
 
     def shapes(self):
-        return [None if getattr(self.obs, n).numel() == 0 else tuple(getattr(self.obs, n).shape)
-                for n, _ in self.obs.sync_ops.items()]
+        # a cat buffer: the ranks agree on its trailing dimensions only
+        return [None if getattr(self.obs, n).numel() == 0
+                else tuple(getattr(self.obs, n).shape)[1 if op == CAT else 0:]
+                for n, op in self.obs.sync_ops.items()]
+
+    def _cats(self) -> list[str]:
+        return [n for n, op in self.obs.sync_ops.items() if op == CAT]
+
+    def _mine(self, name) -> torch.Tensor:
+        """This rank's rows of a cat buffer: all on rank 0, those after the last sync elsewhere."""
+        t = getattr(self.obs, name)
+        return t[getattr(self.obs, "_synced_rows", {}).get(name, 0) if self.rank else 0:]
+
+    def counts(self):
+        return [self._mine(n).shape[0] if self._mine(n).numel() else 0 for n in self._cats()]
 
     def _value(self, i, name, op):
         t, shape = getattr(self.obs, name), self.shapes_agreed[i]
+        if op == CAT:  # [total, ...]: this rank's rows at its offset, MAX's identity elsewhere
+            counts = self.rank_counts[self._cats().index(name)]
+            out = _fill((sum(counts),) + shape, _lowest(t.dtype), t)
+            mine, first = self._mine(name), sum(counts[:self.rank])
+            out[first:first + counts[self.rank]] = mine.reshape((counts[self.rank],) + shape)
+            return out
         return t if t.numel() or shape is None else _fill(shape, _IDENTITY[op], t)
 
     def _entries(self, ops):
@@ -280,6 +308,10 @@ class _Declared(_Sync):
         for i, (name, op) in enumerate(self.obs.sync_ops.items()):
             if op in ops and self.shapes_agreed[i] is not None:
                 value = self._value(i, name, op)
+                if op == CAT:
+                    out.append((MAX, value))
+                    self._names.append(name)
+                    continue
                 base = getattr(self.obs, "_synced_counts", {}).get(name) if (op == SUM and self.rank) else None
                 if base is not None:
                     value = value - base.to(value.device)
@@ -298,14 +330,18 @@ class _Declared(_Sync):
         self._set(values)
 
     def state(self):
-        return self._entries((SUM,))
+        return self._entries((SUM, CAT))
 
     def load(self, values):
         self._set(values)
         if self.rank:
+            ops = self.obs.sync_ops
             base = getattr(self.obs, "_synced_counts", {})
-            base.update({n: v.clone() for n, v in zip(self._names, values)})
+            base.update({n: v.clone() for n, v in zip(self._names, values) if ops[n] == SUM})
             self.obs._synced_counts = base
+            rows = getattr(self.obs, "_synced_rows", {})
+            rows.update({n: v.shape[0] for n, v in zip(self._names, values) if ops[n] == CAT})
+            self.obs._synced_rows = rows
 
 
 def _adapter(obs: torch.nn.Module, name: str, rank: int, world: int) -> _Sync | None:
@@ -412,12 +448,30 @@ def sync(prepared: torch.nn.Module, group=None) -> torch.nn.Module:
     dist = _dist()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return prepared
+    sync_observers(_observers(prepared), group)
+    return prepared
+
+
+def sync_observers(observers, group=None) -> None:
+    """:func:`sync` for observers outside a prepared graph, e.g. the Hessian observers GPTQ
+    taps for one block, or statistics modules that declare ``sync_ops``. Works in place.
+
+    Args:
+        observers: modules, or ``(name, module)`` pairs (names appear in errors); every rank
+            passes the same kinds in the same order.
+        group: the process group (default: the world).
+    """
+    dist = _dist()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    named = [o if isinstance(o, tuple) else (getattr(o, "node_name", None) or f"observer {i}", o)
+             for i, o in enumerate(observers)]
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     device = _comm_device(group)
     error = None
     syncs: list[_Sync] = []
     try:
-        for name, obs in _observers(prepared):
+        for name, obs in named:
             s = _adapter(obs, name, rank, world)
             if s is not None:
                 s.check()
@@ -468,4 +522,3 @@ def sync(prepared: torch.nn.Module, group=None) -> torch.nn.Module:
         s.adopt(vals)
     for s, vals in zip(syncs, _allreduce([s.state() for s in syncs], device, group)):
         s.load(vals)
-    return prepared

@@ -65,6 +65,7 @@ class _RowStats(torch.nn.Module):
         super().__init__()
         self.keep = keep
         self.abs_sum = None
+        self.sums: list[torch.Tensor] = []  # per batch: distributed AWQ sums them again in one order
         self.count = 0
         self.rows: list[torch.Tensor] = []
         self.kept = 0
@@ -76,6 +77,7 @@ class _RowStats(torch.nn.Module):
         if flat.shape[0]:
             s = flat.abs().sum(0, dtype=torch.float64)
             self.abs_sum = s if self.abs_sum is None else self.abs_sum + s
+            self.sums.append(s)
             self.count += flat.shape[0]
             take = min(self.keep - self.kept, flat.shape[0])
             if take > 0:
@@ -169,7 +171,10 @@ def run_awq(prepared: GraphModule, linears: list[RoundedLinear], data: Iterable,
     for src in groups:
         stats[src] = _RowStats(config.rows)
         tapped.tap(src, stats[src])
-    seen = tapped.run(data, max_batches=max_batches, desc="awq")
+    from ._dist_rounding import sync_row_stats, synced_pass
+
+    seen = synced_pass(lambda: tapped.run(data, max_batches=max_batches, desc="awq"),  # every rank's, when distributed
+                       lambda: sync_row_stats(stats.values()))
     tapped.clear()
     if seen == 0:
         from .._errors import CalibrationError

@@ -133,7 +133,8 @@ class _ChannelStats(torch.nn.Module):
         return x
 
 
-def _collect(gm: GraphModule, groups: list[_Group], data: Iterable, keep_rows: int) -> list[_ChannelStats]:
+def _collect(gm: GraphModule, groups: list[_Group], data: Iterable, keep_rows: int,
+             distributed: bool = False) -> list[_ChannelStats]:
     tapped = copy.deepcopy(gm)
     nodes = {n.name: n for n in tapped.graph.nodes}
     stats = []
@@ -148,8 +149,11 @@ def _collect(gm: GraphModule, groups: list[_Group], data: Iterable, keep_rows: i
                 user.replace_input_with(src, tap)
         stats.append(mod)
     tapped.recompile()
-    n = run_batches(tapped, data, progress=False, max_batches=None, desc="smoothquant", what="calibration",
-                    skip_padding=True)
+    from ._dist_rounding import sync_channel_stats, synced_pass
+
+    n = synced_pass(lambda: run_batches(tapped, data, progress=False, max_batches=None, desc="smoothquant",
+                                        what="calibration", skip_padding=True),
+                    lambda: sync_channel_stats(stats), distributed)  # every rank's batches, when distributed
     if n == 0:
         raise ValueError("calibration data is empty; pass at least one batch")
     return stats
@@ -251,7 +255,7 @@ def _insert_mul(gm: GraphModule, group: _Group, inv_s: torch.Tensor, index: int)
 
 
 def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | str = 0.5, *,
-                 example_inputs=None, config=None) -> GraphModule:
+                 example_inputs=None, config=None, distributed: bool | str = "auto") -> GraphModule:
     """Return a captured copy of ``model`` with activation outliers moved into linear weights.
 
     The result computes the same function in float (up to rounding); quantize it as
@@ -271,6 +275,11 @@ def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | st
             min-max weights); ``alpha="auto"`` scores each α under it, e.g. per-token
             activations for ``QuantConfig(dynamic=True, granularity="per-token")``; an
             ``FP8Config`` (``FP8Quantizer(...).global_config``) scores on the E4M3 grid.
+        distributed: as :func:`quantkit.calibrate`'s: ``"auto"`` (default), under a
+            ``torch.distributed`` group of more than one process, takes ``calib_data`` as this
+            rank's shard and reduces the activation statistics across ranks, so that every rank
+            gets the factors of one process on all the shards in rank order (min/max exact;
+            ``alpha="auto"``'s row sample: see ``quantkit.accuracy._dist_rounding``).
 
     Returns:
         The smoothed GraphModule. ``gm.meta["quantkit_smoothquant"]`` lists each
@@ -283,7 +292,10 @@ def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | st
     """
     from quantkit.quantizers import QuantConfig
 
+    from ..pipeline._distributed import use_distributed
+
     alpha = _check_alpha(alpha)
+    distributed = use_distributed(distributed)
     if config is None:
         config = QuantConfig()
     elif not isinstance(config, QuantConfig) and not hasattr(config, "fake_quant_activations"):
@@ -304,7 +316,7 @@ def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | st
         raise TypeError(f"smooth_quant expects a torch.nn.Module, got {type(model).__name__}")
 
     groups = _groups(gm)
-    stats = _collect(gm, groups, data, _AUTO_ROWS if alpha == "auto" else 0) if groups else []
+    stats = _collect(gm, groups, data, _AUTO_ROWS if alpha == "auto" else 0, distributed) if groups else []
     counts: dict[str, int] = {}
     for n in gm.graph.nodes:
         if n.op == "get_attr":

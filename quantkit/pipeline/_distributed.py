@@ -20,7 +20,7 @@ import torch
 
 from .._errors import CalibrationError
 
-__all__ = ["shard", "use_distributed", "calibrate_synced"]
+__all__ = ["shard", "use_distributed", "calibrate_synced", "on_all_ranks"]
 
 
 def _initialised() -> bool:
@@ -54,9 +54,26 @@ def calibrate_synced(prepared: torch.nn.Module, run: Callable[[], int]) -> int:
     Raises:
         the rank's own error where it failed; CalibrationError naming the failed rank elsewhere.
     """
+    from quantkit.observers._sync import sync
+
+    return on_all_ranks(run, lambda: sync(prepared))
+
+
+def on_all_ranks(run: Callable[[], int], then: Callable[[], Any] | None = None) -> int:
+    """Run this rank's pass over its shard (``run()`` returns its batch count), exchange
+    failure flags and counts (one collective), then call ``then()`` (the statistics' sync);
+    returns the batch count over all ranks.
+
+    Every rank makes the same collectives in the same order whatever fails: each pass of a
+    multi-pass calibration (AWQ, the calibration pass, each GPTQ block) goes through this, so
+    a rank that fails in one pass stops every rank at that pass's exchange.
+
+    Raises:
+        the rank's own error where it failed; CalibrationError naming the failed rank elsewhere.
+    """
     import torch.distributed as dist
 
-    from quantkit.observers._sync import _comm_device, sync
+    from quantkit.observers._sync import _comm_device
 
     rank, world = dist.get_rank(), dist.get_world_size()
     error, seen = None, 0
@@ -75,7 +92,8 @@ def calibrate_synced(prepared: torch.nn.Module, run: Callable[[], int]) -> int:
     if failed:
         raise CalibrationError(
             f"calibration failed on rank {failed[0]} of {world} (see that rank's error); every rank stops")
-    sync(prepared)
+    if then is not None:
+        then()
     return int(flags[:, 1].sum())
 
 
