@@ -6,7 +6,7 @@ each observer's qparams must be ``torch.equal`` to those of one process that cal
 all the batches in the same order, for min/max, moving averages, per-channel and every
 histogram method, on a transformer block and on the bundled MiniLM. The CLI tests run
 ``torchrun`` (``python -m torch.distributed.run``) on the bundled model and on a factory
-model whose rank 1 sees NaN.
+model whose rank 1 sees NaN. GPTQ, AWQ and SmoothQuant under two ranks: test_distributed_rounding.py.
 """
 
 from __future__ import annotations
@@ -222,13 +222,6 @@ def ranks(setup, tmp_path_factory):
             res["nan"] = "no error"
         except Exception as exc:  # noqa: BLE001 (type and message are checked by the test)
             res["nan"] = f"{type(exc).__name__}: {exc}"
-        # GPTQ rounds weights from the data: refused rather than rounded from each rank's shard
-        gptq = quantkit.prepare(gm, W8A8Quantizer(QuantConfig(weight_algorithm="gptq")))
-        try:
-            quantkit.calibrate(gptq, quantkit.shard(data), progress=False)
-            res["gptq"] = "no error"
-        except Exception as exc:  # noqa: BLE001
-            res["gptq"] = f"{type(exc).__name__}: {exc}"
         # the process group still works afterwards
         prepared = _prepare(gm, "minmax", "per_channel_minmax")
         quantkit.calibrate(prepared, quantkit.shard(data), progress=False)
@@ -324,12 +317,6 @@ def test_a_rank_with_nan_fails_every_rank(ranks, setup):
     assert "\n" not in r0 + r1
     gm, data = setup["block"]
     _assert_equal(_reference(gm, data, "minmax", "per_channel_minmax"), ranks[0]["after_nan"], "after a failure")
-
-
-def test_gptq_is_refused_when_distributed(ranks):
-    for rank in range(WORLD):
-        assert ranks[rank]["gptq"].startswith("CalibrationError: GPTQ/AWQ weight rounding does not run distributed"), \
-            ranks[rank]["gptq"]
 
 
 def test_unsyncable_observer_is_named():

@@ -30,6 +30,7 @@ from torch.fx import GraphModule, Node
 from .._errors import CalibrationError
 from ..pipeline._calibrate import run_batches
 from ..pipeline._scopes import module_scopes
+from ._dist_rounding import distributed_rounding, sync_hessians, synced_pass
 from ._gptq import GPTQConfig, gptq_quantize
 from ._wscheme import WeightScheme
 
@@ -207,9 +208,49 @@ def fix_qparams(obs, scale: torch.Tensor, zero_point: torch.Tensor) -> None:
                     zero_point.reshape(own_zp.shape).to(own_zp.dtype))
 
 
+def round_linears(lins: list[RoundedLinear], hessians: dict, block: str, config: GPTQConfig,
+                  owners: list[torch.nn.Module]) -> list[dict]:
+    """Round ``lins`` (one GPTQ group) from the input Hessians of their sources (``hessians``,
+    complete: every batch seen); the rounded weight is set on every module of ``owners`` (the
+    first holds the float weights) and the observers' qparams are fixed. Both the block-cached
+    pass (``_gptq_blocks``) and the prefix re-run call it."""
+    # the group's Hessians are complete here, before any weight is rounded: under a process
+    # group, summed across ranks so that every rank rounds identically
+    sync_hessians(hessians)
+    records = []
+    for lin in lins:
+        h = hessians[lin.source]
+        if not h.calibrated:
+            raise CalibrationError(
+                f"no calibration batch reached linear '{lin.node.name}' ({block}); GPTQ needs its inputs: "
+                "pass batches that run that part of the model"
+            )
+        w = get_attr(owners[0], lin.weight)
+        res = gptq_quantize(w.detach(), h.hessian, WeightScheme.of(lin.observer), config)
+        rounded = res.dequantized.to(w.dtype)
+        for owner in owners:
+            set_attr(owner, lin.weight, rounded)
+        fix_qparams(lin.observer, res.scale, res.zero_point)
+        records.append({"layer": lin.node.name, "block": block, "algorithm": "gptq", "rows": int(h.rows)})
+    return records
+
+
 def run_gptq(prepared: GraphModule, linears: list[RoundedLinear], data: Iterable, *,
              max_batches: int | None, config: GPTQConfig = GPTQConfig()) -> list[dict]:
-    """Round the weights of ``linears`` with GPTQ, block by block in graph order."""
+    """Round the weights of ``linears`` with GPTQ, block by block in graph order: on the chain of
+    blocks of ``pipeline._partition`` with each block's inputs cached (``_gptq_blocks``, each block
+    run once), or by re-running the model's prefix for each block where the graph has no chain."""
+    from ._gptq_blocks import run_gptq_blocks
+
+    records = run_gptq_blocks(prepared, linears, data, max_batches=max_batches, config=config)
+    if records is not None:
+        return records
+    return run_gptq_prefix(prepared, linears, data, max_batches=max_batches, config=config)
+
+
+def run_gptq_prefix(prepared: GraphModule, linears: list[RoundedLinear], data: Iterable, *,
+                    max_batches: int | None, config: GPTQConfig = GPTQConfig()) -> list[dict]:
+    """GPTQ with one pass over the model's prefix per block (O(L²) block forwards)."""
     from quantkit.observers import HessianObserver
 
     tapped = Tapped(prepared)
@@ -229,28 +270,17 @@ def run_gptq(prepared: GraphModule, linears: list[RoundedLinear], data: Iterable
             tapped.tap(src, hessians[src], stop=src is last)
         tapped.run(data, max_batches=max_batches, desc=f"gptq {block}")
         tapped.clear()
-        for lin in lins:
-            h = hessians[lin.source]
-            if not h.calibrated:
-                raise CalibrationError(
-                    f"no calibration batch reached linear '{lin.node.name}' ({block}); GPTQ needs its inputs: "
-                    "pass batches that run that part of the model"
-                )
-            w = get_attr(prepared, lin.weight)
-            res = gptq_quantize(w.detach(), h.hessian, WeightScheme.of(lin.observer), config)
-            set_attr(prepared, lin.weight, res.dequantized.to(w.dtype))
-            set_attr(tapped.gm, lin.weight, get_attr(prepared, lin.weight))
-            fix_qparams(lin.observer, res.scale, res.zero_point)
-            records.append({"layer": lin.node.name, "block": block, "algorithm": "gptq",
-                            "rows": int(h.rows)})
+        records += round_linears(lins, hessians, block, config, [prepared, tapped.gm])
     return records
 
 
 # --- the calibrate hook -------------------------------------------------------------------------
 def with_weight_algorithms(prepared: GraphModule, data: Iterable, run: Callable[[], int], *,
-                           max_batches: int | None = None) -> Callable[[], int]:
+                           max_batches: int | None = None, distributed: bool = False) -> Callable[[], int]:
     """Wrap calibrate's pass ``run`` (returns the batch count) with the rounding algorithms the
-    prepared model's weight observers ask for; ``run`` itself when they ask for none.
+    prepared model's weight observers ask for; ``run`` itself when they ask for none. With
+    ``distributed``, ``data`` is this rank's shard and every pass syncs its statistics
+    (``_dist_rounding``); the wrapper still returns this rank's count.
 
     Raises (when an algorithm is asked for):
         CalibrationError: ``data`` is a one-shot iterator (the algorithms pass over it several
@@ -275,17 +305,18 @@ def with_weight_algorithms(prepared: GraphModule, data: Iterable, run: Callable[
         )
 
     def wrapped() -> int:
-        records = []
-        awq = [lin for lin in linears if lin.algorithm == "awq"]
-        if awq:
-            from ._awq import run_awq
+        records, mine = [], []
+        with distributed_rounding(distributed):
+            awq = [lin for lin in linears if lin.algorithm == "awq"]
+            if awq:
+                from ._awq import run_awq
 
-            records += run_awq(prepared, awq, data, max_batches=max_batches)
-        seen = run()
-        gptq = [lin for lin in find_rounded_linears(prepared) if lin.algorithm == "gptq"]
-        if seen and gptq:
-            records += run_gptq(prepared, gptq, data, max_batches=max_batches)
+                records += run_awq(prepared, awq, data, max_batches=max_batches)
+            seen = synced_pass(lambda: mine.append(run()) or mine[0], lambda: None)  # all ranks' count
+            gptq = [lin for lin in find_rounded_linears(prepared) if lin.algorithm == "gptq"]
+            if seen and gptq:
+                records += run_gptq(prepared, gptq, data, max_batches=max_batches)
         prepared.meta[ROUNDING_META_KEY] = records
-        return seen
+        return mine[0]
 
     return wrapped

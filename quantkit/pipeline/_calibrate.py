@@ -100,6 +100,10 @@ def calibrate(prepared: GraphModule, data: Iterable, *, progress: bool = True,
             (:func:`quantkit.observers.sync`: every rank ends with the observers of one
             process that saw all shards in rank order); ``True`` requires a process group;
             ``False`` calibrates this process alone. ``max_batches`` then counts per rank.
+            GPTQ/AWQ weight rounding syncs its statistics after each pass (AWQ's |x| and row
+            sample, each block's Hessians), so every rank rounds to the same integers; the
+            Hessians equal one process merging the ranks' observers in rank order (see
+            ``quantkit.accuracy._dist_rounding``).
 
     Returns:
         ``prepared`` itself (calibration updates it in place).
@@ -119,11 +123,9 @@ def calibrate(prepared: GraphModule, data: Iterable, *, progress: bool = True,
                               desc="calibrating", what="calibration", skip_padding=skip_padding)
     from quantkit.accuracy._rounding import with_weight_algorithms  # GPTQ/AWQ, when weights ask for them
 
-    rounded = with_weight_algorithms(prepared, data, run, max_batches=max_batches)
     synced = use_distributed(distributed)
-    if synced and rounded is not run:  # each rank would round its weights from its own shard
-        raise CalibrationError("GPTQ/AWQ weight rounding does not run distributed yet; calibrate on one process "
-                               "(distributed=False, with all the batches) or use weight_algorithm='rtn'")
+    # GPTQ/AWQ under a process group: their statistics synced pass by pass (accuracy/_dist_rounding)
+    rounded = with_weight_algorithms(prepared, data, run, max_batches=max_batches, distributed=synced)
     seen = calibrate_synced(prepared, rounded) if synced else rounded()
     if seen == 0:
         raise CalibrationError(
