@@ -9,7 +9,7 @@ import torch
 from torch.fx import GraphModule
 
 from ._bf16 import float_ops_to_bf16, resolve_float_dtype
-from ._fp8 import has_fp8_qdq, lower_fp8
+from ._fp8 import FP8_KERNELS, has_fp8_qdq, lower_fp8
 from ._lower import Target, lower
 from ._onednn import exact_for_graph
 from ._weight_only import lower_weight_only
@@ -36,7 +36,8 @@ def _device_type(gm: GraphModule) -> str:
     return devices.pop() if devices else "cpu"
 
 
-def compile(converted: GraphModule, *, cpu_kernels: str = "auto", float_dtype: str = "auto", **torch_compile_kwargs):
+def compile(converted: GraphModule, *, cpu_kernels: str = "auto", float_dtype: str = "auto",
+            fp8_kernel: str = "scaled_mm", **torch_compile_kwargs):
     """``torch.compile`` a ``quantkit.convert`` result, running q/dq layers as fused int8 kernels.
 
     An FX pass first rewrites ``dq(x) -> linear <- dq(w_int8)`` (with a following relu/gelu and
@@ -63,6 +64,8 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", float_dtype: s
             ``lowering/_bf16.py``; outputs keep their float32 dtype, values differ from the
             reference at bf16 level), else float32; ``"bf16"`` forces bf16, ``"fp32"`` keeps
             float32. Ignored on CUDA.
+        fp8_kernel: what FP8 linears run as: ``"scaled_mm"`` (``torch._scaled_mm``, default) or
+            ``"triton"`` (quantkit's Triton FP8 GEMM, ``kernels/_fp8_gemm.py``). Ignored on CPU (``_scaled_mm``).
         **torch_compile_kwargs: passed to ``torch.compile`` (``dynamic``, ``fullgraph``,
             ``options``, ...). With oneDNN, calls run with Inductor ``freezing=True`` and no grad.
 
@@ -78,6 +81,8 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", float_dtype: s
             f"compile expects the GraphModule returned by quantkit.convert (or torchao's convert_pt2e), "
             f"got {type(converted).__name__}"
         )
+    if fp8_kernel not in FP8_KERNELS:
+        raise ValueError(f"unknown fp8_kernel {fp8_kernel!r}; use one of {list(FP8_KERNELS)}")
     if cpu_kernels not in CPU_KERNELS:
         raise ValueError(f"unknown cpu_kernels {cpu_kernels!r}; use one of {list(CPU_KERNELS)}")
     if _device_type(converted) == "cuda":
@@ -99,7 +104,7 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", float_dtype: s
         wo = lower_weight_only(gm, "cuda" if target is Target.TRITON else "cpu")
         gm.meta[LOWERING_META_KEY].update({k: v for k, v in wo.items() if v})  # counts only what it rewrote
     if cpu_kernels != "reference" or target is Target.TRITON:  # FP8 linears: torch._scaled_mm (_fp8.py)
-        fp8 = lower_fp8(gm, "cuda" if target is Target.TRITON else "cpu")
+        fp8 = lower_fp8(gm, "cuda", fp8_kernel) if target is Target.TRITON else lower_fp8(gm, "cpu")
         gm.meta[LOWERING_META_KEY].update({k: v for k, v in fp8.items() if v})  # counts only what it rewrote
     # int8-mixed-bf16: counts of casts (not around FP8 _scaled_mm: its scales and bias stay float32)
     if dtype == torch.bfloat16 and target is not Target.TRITON and not gm.meta[LOWERING_META_KEY].get("fp8_linear"):

@@ -11,6 +11,10 @@ FP8 on sm_89+), which accumulates in float32 and applies ``scale_a ⊗ scale_b``
 contiguous ``[M, 1]`` and ``[1, N]`` (row-wise); a per-tensor scale meeting a row-wise one is repeated,
 since mixed layouts are refused (measured, torch 2.13 CPU: "Invalid scaling configuration").
 On CUDA the row-wise path needs a bf16 output (cuBLASLt), so the product is cast back to float32.
+
+With ``kernel="triton"`` the linear becomes ``quantkit::fp8_linear`` (``kernels/_fp8_gemm.py``) instead:
+the same float8 operands and scales in their graph shapes (no repeated scales, no transposes), float32
+output and bias (no bf16 round trip); on CPU tensors the op runs its torch path.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ from torch.fx import GraphModule, Node
 
 from ..pipeline._convert_fp8 import FLOAT8_DEQUANTIZE_OPS, FLOAT8_QUANTIZE_OPS
 
-__all__ = ["lower_fp8", "has_fp8_qdq"]
+__all__ = ["lower_fp8", "has_fp8_qdq", "FP8_KERNELS"]
 
 aten = torch.ops.aten
 _LINEAR = {aten.linear.default}
+FP8_KERNELS = ("scaled_mm", "triton")  # what lower_fp8 runs an FP8 linear as
 
 
 def has_fp8_qdq(gm: GraphModule) -> bool:
@@ -69,11 +74,13 @@ def _match(gm: GraphModule, node: Node):
     return x_q, x_scale, w, weight, w_scale, wscale, bias
 
 
-def lower_fp8(gm: GraphModule, device: str = "cpu") -> dict[str, int]:
-    """Rewrite every FP8 linear of ``gm`` (in place) into ``aten._scaled_mm``; return
-    ``{"fp8_linear": count}``. Weight scales ``[N, 1]`` become ``[1, N]`` buffers; per-token
-    activation scales ``[..., 1]`` are reshaped to ``[M, 1]``. Anything else keeps its reference
-    float8 q/dq ops."""
+def lower_fp8(gm: GraphModule, device: str = "cpu", kernel: str = "scaled_mm") -> dict[str, int]:
+    """Rewrite every FP8 linear of ``gm`` (in place) into ``aten._scaled_mm`` (``kernel="scaled_mm"``)
+    or quantkit's Triton ``fp8_linear`` (``kernel="triton"``); return ``{"fp8_linear": count}``. For
+    ``_scaled_mm``, weight scales ``[N, 1]`` become ``[1, N]`` buffers and per-token activation scales
+    ``[..., 1]`` are reshaped to ``[M, 1]``. Anything else keeps its reference float8 q/dq ops."""
+    if kernel not in FP8_KERNELS:
+        raise ValueError(f"unknown FP8 kernel {kernel!r}; use one of {list(FP8_KERNELS)}")
     graph = gm.graph
     count = 0
     for node in list(graph.nodes):
@@ -81,6 +88,10 @@ def lower_fp8(gm: GraphModule, device: str = "cpu") -> dict[str, int]:
         if m is None:
             continue
         x_q, x_scale, w, weight, w_scale, wscale, bias = m
+        if kernel == "triton":
+            _emit_triton(graph, node, x_q, x_scale, w, w_scale, bias)
+            count += 1
+            continue
         n_out, k = weight.shape
         out_val = _val(node)
         # a static activation scale is a [1] buffer; a dynamic one comes from the graph: amax
@@ -134,6 +145,18 @@ def lower_fp8(gm: GraphModule, device: str = "cpu") -> dict[str, int]:
     graph.lint()
     gm.recompile()
     return {"fp8_linear": count}
+
+
+def _emit_triton(graph, node: Node, x_q: Node, x_scale: Node, w: Node, w_scale: Node, bias) -> None:
+    """Replace the linear ``node`` by ``quantkit::fp8_linear`` on its float8 operands and scales."""
+    import quantkit.kernels  # noqa: F401  registers torch.ops.quantkit.fp8_linear
+
+    with graph.inserting_before(node):
+        out = graph.call_function(torch.ops.quantkit.fp8_linear.default,
+                                  (x_q, w, x_scale, w_scale, bias, torch.float32))
+    out.meta.update(node.meta)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
 
 
 def _decompose_quantize(graph, x_q: Node) -> Node:
