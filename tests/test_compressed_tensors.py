@@ -245,16 +245,6 @@ def test_unexpressible_recipe_fails_before_writing(llama, tmp_path):
         quantkit.export_compressed_tensors(dynamic, path, out, inputs=batches[2:])
     assert not out.exists()
 
-    # FP8 (issue 15) is not mapped yet: said so in one line
-    from quantkit.quantizers import FP8Quantizer
-
-    gm = quantkit.capture(model, batches[0], dynamic_shapes=_hf.dynamic_shapes(batches[0]))
-    prepared = quantkit.prepare(gm, FP8Quantizer())
-    quantkit.calibrate(prepared, batches[:1], progress=False)
-    with pytest.raises(quantkit.QuantkitError, match=r"cannot express FP8 \(float8\).*W8A8 int8 so far"):
-        quantkit.export_compressed_tensors(quantkit.convert(prepared), path, out, inputs=batches[2:])
-    assert not out.exists()
-
 
 def test_skip_unsupported_keeps_attention_matmuls_float(tmp_path):
     """Eager attention with quantized matmuls between activations: refused, or with

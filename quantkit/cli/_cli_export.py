@@ -87,6 +87,6 @@ def summary(result) -> dict:
 def describe(result) -> str:
     v = result.verification
     kept = f", {len(result.kept_float)} layers kept float" if result.kept_float else ""
-    return (f"compressed-tensors: {result.linears} int8 linears{kept}; loaded with transformers "
+    return (f"compressed-tensors: {result.linears} quantized linears{kept}; loaded with transformers "
             f"(compressed-tensors {result.versions['compressed_tensors']}), min cosine {v['min_cosine']:.6f} "
-            f"vs quantkit's int8 model on {v['rows']} rows")
+            f"vs quantkit's model on {v['rows']} rows")

@@ -1,13 +1,16 @@
-"""Export a quantkit int8 model as a compressed-tensors checkpoint: an HF model directory that
-transformers (with the ``compressed-tensors`` package) and vLLM load.
+"""Export a quantkit quantized model as a compressed-tensors checkpoint: an HF model directory
+that transformers (with the ``compressed-tensors`` package) and vLLM load.
 
 The directory holds the source model's config.json plus a ``quantization_config``
-(``quant_method: compressed-tensors``, format ``int-quantized``), safetensors with each
-quantized nn.Linear as ``weight`` (int8), ``weight_scale`` and its input's ``input_scale`` /
-``input_zero_point`` (static) or a dynamic per-token scheme, the float tensors as they are in
-quantkit's model, the tokenizer files, and ``quantkit_export.json`` (what was written, what was
-kept float, the verification). Before the directory is put in place it is loaded back with
-transformers and its outputs compared with quantkit's int8 model: a mismatch removes it.
+(``quant_method: compressed-tensors``; format ``int-quantized`` for W8A8 int8, ``float-quantized``
+for FP8, ``pack-quantized`` for int4/int8 weight-only, ``mixed-precision`` for several;
+``kv_cache_scheme`` for KV-cache scales: ``_ct_schemes``), safetensors with each quantized
+nn.Linear as ``weight`` (int8 / float8) or ``weight_packed``, ``weight_scale`` (and zero points)
+and its input's ``input_scale`` / ``input_zero_point`` (static) or a dynamic scheme, the float
+tensors as they are in quantkit's model, the tokenizer files, and ``quantkit_export.json`` (what
+was written, what was kept float, the verification). Before the directory is put in place it is
+loaded back with transformers and its outputs compared with quantkit's model: a mismatch removes
+it (what transformers 5.24 does not load as stored is checked in the files: ``_ct_checks``).
 
 compressed-tensors is imported only here (``pip install 'quantkit[serve]'``).
 """
@@ -33,6 +36,8 @@ from .._errors import QuantkitError
 from ..pipeline._inputs import call_model
 from . import _atomic
 from ._ct_plan import Plan, float_value, read_graph
+from . import _ct_checks as checks
+from ._ct_schemes import is_float8, layer_tensors, quantization_config
 
 __all__ = ["export_compressed_tensors", "write_checkpoint", "CompressedTensorsExport", "check_available",
            "check_out_dir", "MARKER_FILE", "TESTED_VERSION"]
@@ -73,7 +78,7 @@ class CompressedTensorsExport:
 
     Attributes:
         path: the HF model directory.
-        linears: how many nn.Linear layers are stored int8.
+        linears: how many nn.Linear layers are stored quantized.
         kept_float: ``"module: why"`` for each quantized layer the format cannot express, kept
             float (only with ``skip_unsupported``).
         dequantized: modules whose weight-only int8 weights (embeddings) are stored as the float
@@ -161,34 +166,6 @@ def _meta_model(cls, config):
                             "pass model_class= the class the model was captured from") from None
 
 
-def _quant_args(kind: str, *, symmetric: bool, strategy: str) -> dict:
-    return {"num_bits": 8, "type": "int", "symmetric": symmetric, "strategy": strategy,
-            "dynamic": kind != "static", "group_size": None, "block_structure": None, "actorder": None,
-            "observer": None}
-
-
-def _quantization_config(plan: Plan, float_linears: list[str], version: str) -> dict:
-    """compressed-tensors' ``quantization_config``: one group per distinct scheme. A single
-    scheme targets ``Linear`` with the float linears in ``ignore`` (llm-compressor's layout)."""
-    groups: dict[tuple, list[str]] = {}
-    for name, layer in plan.linears.items():
-        groups.setdefault(layer.signature(), []).append(name)
-    config_groups = {}
-    for i, (sig, names) in enumerate(sorted(groups.items(), key=lambda kv: kv[1][0])):
-        strategy, kind, symmetric = sig
-        act_strategy = "tensor" if kind == "static" else "token"
-        config_groups[f"group_{i}"] = {
-            "targets": ["Linear"] if len(groups) == 1 else sorted(names),
-            "weights": _quant_args("static", symmetric=True, strategy=strategy),
-            "input_activations": _quant_args(kind, symmetric=symmetric, strategy=act_strategy),
-            "output_activations": None,
-            "format": "int-quantized",
-        }
-    return {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
-            "config_groups": config_groups, "ignore": sorted(float_linears), "kv_cache_scheme": None,
-            "global_compression_ratio": None, "version": version}
-
-
 def _tensors(qmodel: GraphModule, hf, plan: Plan) -> tuple[dict[str, torch.Tensor], list[tuple[str, str]]]:
     """Every persistent tensor of the HF model, by name: int8 linears with their scales, the
     dequantized weights, the rest from quantkit's model. Returns ``(tensors, untied)``: pairs
@@ -206,12 +183,7 @@ def _tensors(qmodel: GraphModule, hf, plan: Plan) -> tuple[dict[str, torch.Tenso
         module, _, leaf = key.rpartition(".")
         layer = plan.linears.get(module)
         if layer is not None and leaf == "weight":
-            out[key] = layer.weight.q.contiguous()
-            out[f"{module}.weight_scale"] = layer.weight.scale_2d().contiguous()
-            if layer.act.kind == "static":
-                out[f"{module}.input_scale"] = torch.tensor([layer.act.scale], dtype=torch.float32)
-                if not layer.act.symmetric:
-                    out[f"{module}.input_zero_point"] = torch.tensor([layer.act.int8_zero_point()], dtype=torch.int8)
+            out.update({f"{module}.{local}": t for local, t in layer_tensors(layer).items()})
             quantized.add(key)
         elif key in plan.dequantized:
             out[key] = plan.dequantized[key]
@@ -224,6 +196,11 @@ def _tensors(qmodel: GraphModule, hf, plan: Plan) -> tuple[dict[str, torch.Tenso
         if twin is not None:
             out[key] = out[twin]
             missing.remove(key)
+        elif any(n in own for n in alias_of.get(key, ())):  # its twin is stored quantized (lm_head)
+            out[key] = own[next(n for n in alias_of[key] if n in own)].detach()
+            missing.remove(key)
+    for module, kv in plan.kv.items():
+        out.update({f"{module}.{local}": t for local, t in kv.stored().items()})
     if missing:
         raise QuantkitError(f"quantkit's model has no tensor for {missing[0]!r} ({len(missing)} of the "
                             f"{type(hf).__name__} checkpoint's tensors); export the model that was captured from "
@@ -341,18 +318,6 @@ def _sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
     return math.inf if noise == 0 else 10 * math.log10(max(float(ref.double().pow(2).sum()), 1e-300) / noise)
 
 
-def _quantkit_input(x: torch.Tensor, act) -> torch.Tensor:
-    """quantkit's quantization of a linear's input, with torch's quantized_decomposed ops."""
-    qd = torch.ops.quantized_decomposed
-    args = (act.quant_min, act.quant_max, act.dtype)
-    if act.kind == "static":
-        q = qd.quantize_per_tensor.default(x, act.scale, act.zero_point, *args)
-        return qd.dequantize_per_tensor.default(q, act.scale, act.zero_point, *args)
-    scale, zp = qd.choose_qparams_per_token.default(x, act.dtype)
-    q = qd.quantize_per_token.default(x, scale, zp, *args)
-    return qd.dequantize_per_token.default(q, scale, zp, *args, x.dtype)
-
-
 def _layer_check(model, plan: Plan, batch) -> dict:
     """Run the loaded model once, feeding each int8 linear's own input to quantkit's math too;
     returns the worst per-layer SQNR and its layer."""
@@ -373,8 +338,8 @@ def _layer_check(model, plan: Plan, batch) -> dict:
         for name, (x, out, bias) in seen.items():
             layer = plan.linears[name]
             w = layer.weight.dequantized(x.dtype).to(x.device)
-            ref = torch.nn.functional.linear(_quantkit_input(x, layer.act), w, bias)
-            if layer.act.kind == "static":
+            ref = torch.nn.functional.linear(x if layer.act is None else layer.act.fake_quant(x), w, bias)
+            if layer.act is None or layer.act.kind == "static":
                 db = _sqnr_db(ref, out)
                 if db < worst:
                     worst, where = db, name
@@ -388,16 +353,17 @@ def _layer_check(model, plan: Plan, batch) -> dict:
             "worst_dynamic_layer": margin_at}
 
 
-def _reference(qmodel: GraphModule, plan: Plan) -> torch.nn.Module:
-    """quantkit's model with the quantizations the format drops removed (skip_unsupported):
-    what the consumer should compute. The graph is copied; tensors are shared, not copied."""
-    if not plan.bypass:
+def _reference(qmodel: GraphModule, plan: Plan, also: tuple[str, ...] = ()) -> torch.nn.Module:
+    """quantkit's model with the quantizations the format drops removed (skip_unsupported), and
+    those named in ``also`` (a KV cache the consumer does not apply): what the consumer should
+    compute. The graph is copied; tensors are shared, not copied."""
+    if not plan.bypass and not also:
         return qmodel
     graph = copy.deepcopy(qmodel.graph)  # keeps the pytree input/output handling
     ref = GraphModule(qmodel, graph)
     nodes = {n.name: n for n in graph.nodes}
     memo: dict = {}
-    for name in plan.bypass:
+    for name in list(plan.bypass) + list(also):
         dq = nodes[name]
         dq.replace_all_uses_with(float_value(graph, dq, memo))
     graph.eliminate_dead_code()
@@ -406,32 +372,36 @@ def _reference(qmodel: GraphModule, plan: Plan) -> torch.nn.Module:
     return ref
 
 
-def _check_loaded(model, plan: Plan, info: dict) -> None:
-    bad = [(what, k) for what in ("missing_keys", "unexpected_keys", "mismatched_keys") for k in (info.get(what) or ())]
+def _check_loaded(model, plan: Plan, info: dict, *, dense: bool) -> None:
+    ignored = set() if checks.kv_applied(model, plan) else {f"{m}.{s}" for m in plan.kv for s in ("k_scale", "v_scale")}
+    bad = [(what, k) for what in ("missing_keys", "unexpected_keys", "mismatched_keys") for k in (info.get(what) or ())
+           if not (what == "unexpected_keys" and k in ignored)]
     if bad:
         what, key = bad[0]
         raise QuantkitError(f"transformers reports {what.replace('_', ' ')[:-1]} {key!r} loading the export "
                             f"({len(bad)} such); the checkpoint does not fit its config")
-    for name, layer in plan.linears.items():
+    if dense:
+        checks.check_dense(model, plan)
+        return
+    for name, tensors in checks.stored_on_modules(plan, with_kv=not ignored):
         mod = model.get_submodule(name)
-        checks = [("weight", layer.weight.q), ("weight_scale", layer.weight.scale_2d())]
-        if layer.act.kind == "static":
-            checks.append(("input_scale", torch.tensor([layer.act.scale], dtype=torch.float32)))
-        for attr, expected in checks:
+        for attr, expected in tensors.items():
             got = getattr(mod, attr, None)
-            if not isinstance(got, torch.Tensor) or got.dtype != expected.dtype or not torch.equal(got, expected):
+            if not isinstance(got, torch.Tensor) or not checks.same(got, expected):
                 raise QuantkitError(f"transformers loaded {name}.{attr} of the export differently from quantkit's "
                                     "tensor; the compressed-tensors version may not match (checked with "
                                     f"{TESTED_VERSION})")
 
 
-def _verify(directory: Path, cls, plan: Plan, reference, batches: list, dtype: torch.dtype) -> dict:
+def _verify(directory: Path, cls, plan: Plan, qmodel: GraphModule, batches: list, dtype: torch.dtype) -> dict:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    dense = checks.dense_load(plan)
+    extra = {"quantization_config": transformers.CompressedTensorsConfig(dequantize=True)} if dense else {}
     try:
         model, info = cls.from_pretrained(str(directory), dtype=dtype, local_files_only=True,
-                                          output_loading_info=True, trust_remote_code=False)
+                                          output_loading_info=True, trust_remote_code=False, **extra)
     except Exception as exc:
         first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
         raise QuantkitError(f"transformers could not load the export ({first.strip()[:300]}); nothing was written") \
@@ -440,10 +410,13 @@ def _verify(directory: Path, cls, plan: Plan, reference, batches: list, dtype: t
     device = next((t.device for t in (batches[0].values() if isinstance(batches[0], dict) else batches[0])
                    if isinstance(t, torch.Tensor)), torch.device("cpu"))
     model.to(device)
-    _check_loaded(model, plan, info)
+    _check_loaded(model, plan, info, dense=dense)
+    kv_applied = checks.kv_applied(model, plan)
+    files_checked = checks.check_files(directory, plan)
+    reference = _reference(qmodel, plan, () if kv_applied else tuple(n for kv in plan.kv.values() for n in kv.nodes))
     layers = _layer_check(model, plan, batches[0])
     if layers["layers"] != len(plan.linears):
-        raise QuantkitError(f"only {layers['layers']} of the {len(plan.linears)} int8 linears ran in transformers' "
+        raise QuantkitError(f"only {layers['layers']} of the {len(plan.linears)} quantized linears ran in transformers' "
                             "model of the export; the module names do not match, please report it")
     worst, margin = layers["worst_layer_sqnr_db"], layers["worst_dynamic_margin_db"]
     if worst is not None and not worst >= _MIN_LAYER_SQNR_DB:
@@ -454,10 +427,14 @@ def _verify(directory: Path, cls, plan: Plan, reference, batches: list, dtype: t
         raise QuantkitError(f"transformers computes {layers['worst_dynamic_layer']} of the export {margin:.1f} dB "
                             f"further from float than quantkit (> {_MAX_DYNAMIC_MARGIN_DB:g} dB); nothing was "
                             f"written, please report it (checked with compressed-tensors {TESTED_VERSION})")
+    layers["tensors_equal_in_files"] = files_checked
+    layers["loaded_with"] = "CompressedTensorsConfig(dequantize=True)" if dense else "default (compressed)"
+    if plan.kv:  # the scales equal quantkit's in the files (checked above); applied by transformers or not
+        layers["kv_cache"] = {"attentions": len(plan.kv), "scales_equal": True, "applied_by_transformers": kv_applied}
     result = {**layers, **_compare(reference, model, batches), "min_layer_sqnr_db": _MIN_LAYER_SQNR_DB,
               "max_dynamic_margin_db": _MAX_DYNAMIC_MARGIN_DB, "min_mean_cosine": _MIN_MEAN_COSINE}
     if not result["mean_cosine"] >= _MIN_MEAN_COSINE:
-        raise QuantkitError(f"the export loaded with transformers does not match quantkit's int8 model (mean cosine "
+        raise QuantkitError(f"the export loaded with transformers does not match quantkit's model (mean cosine "
                             f"{result['mean_cosine']:.5f} < {_MIN_MEAN_COSINE} over {result['rows']} rows); nothing "
                             "was written, please report it")
     return result
@@ -518,7 +495,7 @@ def write_checkpoint(qmodel: GraphModule, model_dir: str | os.PathLike, director
         raise QuantkitError("inputs is empty; pass at least one batch to verify the export with")
     tensors, untied = _tensors(qmodel, hf, plan)
     float_linears = [n for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear) and n not in plan.linears]
-    doc = _config(model_dir, cls, _quantization_config(plan, float_linears, ct_version), untied)
+    doc = _config(model_dir, cls, quantization_config(plan.linears, float_linears, plan.kv, ct_version), untied)
     from compressed_tensors.quantization import QuantizationConfig
 
     try:  # the installed compressed-tensors must parse what we write
@@ -538,16 +515,19 @@ def write_checkpoint(qmodel: GraphModule, model_dir: str | os.PathLike, director
         if src.is_file() and not src.is_symlink():
             shutil.copyfile(src, directory / name)
             files.append(name)
-    floats = [t for k, t in tensors.items() if t.is_floating_point() and not k.endswith("_scale")]
+    floats = [t for k, t in tensors.items() if t.is_floating_point() and not is_float8(t.dtype)
+              and not k.endswith("_scale")]
     dtype = floats[0].dtype if floats else torch.float32
     with contextlib.redirect_stderr(io.StringIO()):  # compressed-tensors' progress bars; errors are raised
-        verification = _verify(directory, cls, plan, _reference(qmodel, plan), batches, dtype)
+        verification = _verify(directory, cls, plan, qmodel, batches, dtype)
     kept = tuple(f"{u.module}: {u.what}" for u in plan.unsupported)
     result = CompressedTensorsExport(path=directory, linears=len(plan.linears), kept_float=kept,
                                      dequantized=tuple(plan.weight_only), verification=verification,
                                      versions=_versions(ct_version))
     marker = {"format": _MARKER_FORMAT, "files": sorted(files + [MARKER_FILE]), "source": str(model_dir),
               "architecture": cls.__name__, "int8_linears": sorted(plan.linears), "kept_float": list(kept),
+              "formats": sorted({layer.weight.format for layer in plan.linears.values()}),
+              "kv_cache": sorted(plan.kv),
               "weight_only_dequantized": list(plan.weight_only), "untied": [list(g) for g in untied],
               "verification": verification, "versions": result.versions, **(record or {})}
     (directory / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
@@ -557,11 +537,15 @@ def write_checkpoint(qmodel: GraphModule, model_dir: str | os.PathLike, director
 def export_compressed_tensors(qmodel: GraphModule, model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                               inputs: Iterable[Any] | None = None, skip_unsupported: bool = False,
                               overwrite: bool = False, model_class=None) -> CompressedTensorsExport:
-    """Write quantkit's int8 model as a compressed-tensors checkpoint that transformers and vLLM load.
+    """Write quantkit's quantized model as a compressed-tensors checkpoint that transformers and vLLM load.
 
     ``out_dir`` becomes an HF model directory: ``model_dir``'s config.json with a
-    ``quantization_config`` (format ``int-quantized``: int8 per-channel weights, static
-    per-tensor or dynamic per-token int8 activations), safetensors and the tokenizer files.
+    ``quantization_config``, safetensors and the tokenizer files. Schemes: W8A8 int8
+    (``int-quantized``: per-channel weights, static per-tensor or dynamic per-token inputs),
+    FP8 E4M3 (``float-quantized``: per-channel or per-tensor weights, static per-tensor or
+    dynamic inputs), group-wise int4/int8 weight-only (``pack-quantized``) and static KV-cache
+    scales (``kv_cache_scheme``, ``FP8Quantizer(kv_cache=...)``). NF4 has no compressed-tensors
+    scheme.
     It is written beside ``out_dir``, loaded back with ``transformers`` (the class the model
     was captured from) and compared with ``qmodel`` on ``inputs``; only a match is put in place.
 

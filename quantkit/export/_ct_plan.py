@@ -1,6 +1,6 @@
 """Read a converted quantkit graph as compressed-tensors layers.
 
-Which HF modules hold int8 weights, how their inputs are quantized, which quantized
+Which HF modules hold quantized weights (int8, FP8, group-wise int4/int8: ``_ct_schemes``), how their inputs are quantized, which quantized
 tensors the format stores dequantized (weight-only embeddings), and what it cannot
 express. Pure graph reading: nothing here imports compressed-tensors or writes files.
 
@@ -12,16 +12,20 @@ input quantization is the ``quantize``/``dequantize`` pair feeding it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule, Node
 
 from ..pipeline._convert import DEQUANTIZE_OPS, QUANTIZE_OPS
+from ..pipeline._convert_fp8 import FLOAT8_DEQUANTIZE_OPS, FLOAT8_QUANTIZE_OPS
 from ..pipeline._scopes import module_scopes
 from .._qmath import FLOAT8_DTYPES
+from . import _ct_schemes as schemes
 
-__all__ = ["ActQuant", "WeightQuant", "LinearLayer", "Unsupported", "Plan", "read_graph", "PASSTHROUGH"]
+__all__ = ["ActQuant", "WeightQuant", "LinearLayer", "Unsupported", "Plan", "read_graph", "PASSTHROUGH",
+           "ANY_QUANTIZE", "ANY_DEQUANTIZE"]
 
 aten = torch.ops.aten
 _QD = torch.ops.quantized_decomposed
@@ -34,10 +38,14 @@ PASSTHROUGH = frozenset({
     aten.slice.Tensor, aten.select.int, aten.expand.default, aten.contiguous.default, aten.clone.default,
 })
 _CHOOSE = frozenset({_QD.choose_qparams.tensor, _QD.choose_qparams_symmetric.tensor,
-                     _QD.choose_qparams_per_token.default})
+                     _QD.choose_qparams_per_token.default, torch.ops.torchao.choose_scale_float8.default})
+ANY_QUANTIZE = QUANTIZE_OPS | FLOAT8_QUANTIZE_OPS
+ANY_DEQUANTIZE = DEQUANTIZE_OPS | FLOAT8_DEQUANTIZE_OPS
+_SDPA = aten.scaled_dot_product_attention.default
 _STATIC_DQ = frozenset({_QD.dequantize_per_tensor.default})
 _DYNAMIC_DQ = frozenset({_QD.dequantize_per_tensor.tensor})
 _TOKEN_DQ = frozenset({_QD.dequantize_per_token.default})
+_ACT_DQ = _STATIC_DQ | _DYNAMIC_DQ | _TOKEN_DQ
 _CONV = frozenset({aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
                    aten.conv1d.padding, aten.conv2d.padding, aten.conv3d.padding})
 _MATMUL = frozenset({aten.matmul.default, aten.bmm.default, aten.mm.default})
@@ -47,7 +55,7 @@ HINT_8BIT = "compressed-tensors' int8 scheme (and vLLM) takes full-range 8-bit a
             "--activation affine-uint8 or symmetric-int8"
 HINT_TOKEN = "vLLM runs dynamic int8 activations per token only: quantize with --scheme w8a8-per-token"
 HINT_LINEAR = "the format stores quantized nn.Linear layers only: quantize with --ops linear"
-HINT_LATER = "quantkit's compressed-tensors export writes W8A8 int8 so far"
+HINT_LATER = schemes.HINT_SCHEMES
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,31 @@ class ActQuant:
 
     def signature(self) -> tuple:
         return (self.kind, self.symmetric)
+
+    def args(self) -> dict:
+        return schemes.quant_args(num_bits=8, type="int", symmetric=self.symmetric,
+                                  strategy="tensor" if self.kind == "static" else "token", dynamic=self.kind != "static")
+
+    def stored(self) -> dict[str, torch.Tensor]:
+        if self.kind != "static":
+            return {}
+        out = {"input_scale": torch.tensor([self.scale], dtype=torch.float32)}
+        if not self.symmetric:
+            out["input_zero_point"] = torch.tensor([self.int8_zero_point()], dtype=torch.int8)
+        return out
+
+    def fake_quant(self, x: torch.Tensor) -> torch.Tensor:
+        """quantkit's quantization of ``x``, with torch's quantized_decomposed ops."""
+        args = (self.quant_min, self.quant_max, self.dtype)
+        if self.kind == "static":
+            q = _QD.quantize_per_tensor.default(x, self.scale, self.zero_point, *args)
+            return _QD.dequantize_per_tensor.default(q, self.scale, self.zero_point, *args)
+        scale, zp = _QD.choose_qparams_per_token.default(x, self.dtype)
+        q = _QD.quantize_per_token.default(x, scale, zp, *args)
+        return _QD.dequantize_per_token.default(q, scale, zp, *args, x.dtype)
+
+    def same(self, other) -> bool:
+        return self == other
 
 
 @dataclass(frozen=True)
@@ -132,17 +165,22 @@ class WeightQuant:
         s = self.scale.detach().to(torch.float32)
         return s.reshape(1) if self.axis is None else s.reshape(-1, 1)
 
+    format = schemes.FORMAT_INT
+
+    def args(self) -> dict:
+        return schemes.quant_args(num_bits=8, type="int", symmetric=True, strategy=self.strategy)
+
+    def stored(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.q.contiguous(), "weight_scale": self.scale_2d().contiguous()}
+
 
 @dataclass
 class LinearLayer:
-    """An nn.Linear stored int8 with its input quantization."""
+    """An nn.Linear stored quantized with its input quantization (None: weight-only)."""
 
     module: str
-    weight: WeightQuant
-    act: ActQuant
-
-    def signature(self) -> tuple:
-        return (self.weight.strategy,) + self.act.signature()
+    weight: object  # WeightQuant, schemes.Float8Weight or schemes.GroupWeight
+    act: object  # ActQuant, schemes.Float8Act or None
 
 
 @dataclass(frozen=True)
@@ -165,6 +203,8 @@ class Plan:
     unsupported: list[Unsupported] = field(default_factory=list)
     # activation dequantize nodes whose quantization the format drops (kept float with skip_unsupported)
     bypass: list[str] = field(default_factory=list)
+    # attention module -> its static K/V quantization (kv_cache_scheme)
+    kv: dict[str, schemes.KVCache] = field(default_factory=dict)
 
 
 def _attr(gm: torch.nn.Module, target: str):
@@ -192,8 +232,9 @@ def _what(user: Node, role: str) -> str:
 
 
 class _Reader:
-    def __init__(self, gm: GraphModule, hf_modules: dict[str, torch.nn.Module]):
+    def __init__(self, gm: GraphModule, hf_modules: dict[str, torch.nn.Module], cached_attention):
         self.gm = gm
+        self.cached_attention = cached_attention
         self.hf = hf_modules
         self.plan = Plan()
         self.weight_dq: dict[Node, WeightQuant] = {}
@@ -209,10 +250,29 @@ class _Reader:
                 src = node.args[0]
                 if isinstance(src, Node) and src.op == "get_attr":
                     self.weight_dq[node] = self._weight(node)
-                elif isinstance(src, Node) and src.target in QUANTIZE_OPS:
+                elif isinstance(src, Node) and src.target in QUANTIZE_OPS and node.target in _ACT_DQ:
                     self.act_dq[node] = self._act(node)
+                elif isinstance(src, Node) and src.target in QUANTIZE_OPS:
+                    self.unknown_dq[node] = "per-channel activation quantization"
                 else:
                     self.unknown_dq[node] = "a dequantize of a computed value"
+            elif node.target in FLOAT8_DEQUANTIZE_OPS:
+                w = schemes.read_float8_weight(self.gm, node)
+                a = None if w is not None else schemes.read_float8_act(self.gm, node)
+                if w is not None:
+                    self.weight_dq[node] = w
+                elif a is not None:
+                    self.act_dq[node] = a
+                else:
+                    self.unknown_dq[node] = "an FP8 dequantize of a computed value"
+            elif node.target == _QD.dequantize_per_channel_group.default:
+                w = schemes.read_group_weight(self.gm, node)
+                if w is not None:
+                    self.weight_dq[node] = w
+                else:
+                    self.unknown_dq[node] = "group-wise quantization of a computed value"
+            elif node.target == torch.ops.quantkit.dequantize_nf4.default:
+                self.unknown_dq[node] = ("NF4 weights", schemes.HINT_NF4)
             elif "dequantize" in str(node.target) or "dequant" in getattr(node.target, "__name__", ""):
                 # quantization representations the export does not read yet (group-wise, int4, ...)
                 name = str(node.target)
@@ -267,10 +327,19 @@ class _Reader:
                 if self._linear(node):
                     linear_inputs.add(node.args[0])
         self._weights_elsewhere()
+        for node in self.gm.graph.nodes:
+            if node.op == "call_function" and node.target == _SDPA:
+                self._kv(node)
         self._activation_uses(linear_inputs)
         for node, what in self.unknown_dq.items():
+            what, hint = what if isinstance(what, tuple) else (what, HINT_LATER)
             for user in node.users:
-                self._unsupported(_module(user) or node.name, what, HINT_LATER)
+                module = _module(user)
+                self._unsupported(module or node.name, what, hint)
+                w = self._nf4_float(node)
+                name = self._hf_weight(module, w.shape) if w is not None else None
+                if name is not None and user.target == aten.linear.default:
+                    self.plan.dequantized.setdefault(name, w)
         return self.plan
 
     def _linear(self, node: Node) -> bool:
@@ -289,14 +358,16 @@ class _Reader:
             return False
         problem = None
         if wq is None:
-            problem = ("an int8 input without int8 weights", HINT_LATER)
-        elif aq is None:
-            problem = ("weight-only int8 (W8A16)", HINT_LATER)
+            problem = ("a quantized input without quantized weights", HINT_LATER)
+        elif aq is None and not isinstance(wq, schemes.GroupWeight):
+            problem = ("per-channel weight-only int8", "quantize weight-only layers with --scheme w8a16 "
+                       "(WeightOnlyQuantizer(bits=8))")
         else:
-            problem = wq.problem() or aq.problem()
+            problem = schemes.pair_problem(wq, aq) or wq.problem() or (aq.problem() if aq is not None else None)
         if problem is None and module in self.plan.linears:
             prev = self.plan.linears[module]
-            if prev.act != aq or not torch.equal(prev.weight.q, wq.q):
+            if not (aq.same(prev.act) if aq is not None else prev.act is None) or \
+                    not torch.equal(prev.weight.q.view(torch.uint8), wq.q.view(torch.uint8)):
                 problem = ("one module called with different input quantization", HINT_LINEAR)
         if problem is not None:
             self._unsupported(module, *problem)
@@ -319,7 +390,7 @@ class _Reader:
                     continue
                 module = _module(user)
                 if user.target == aten.embedding.default and user.args[0] is dq and \
-                        isinstance(self.hf.get(module), torch.nn.Embedding) and wq.q.dtype == torch.int8:
+                        isinstance(self.hf.get(module), torch.nn.Embedding):
                     if self._dequantize_weight(module, wq):
                         if module not in self.plan.weight_only:
                             self.plan.weight_only.append(module)
@@ -338,7 +409,10 @@ class _Reader:
                     module = _module(user)
                     if module in self.plan.linears:
                         continue
-                if user.target in _CHOOSE:
+                if user.target == _SDPA and dq in user.args[1:3] and _module(user) in self.plan.kv:
+                    continue  # a K/V input: the kv_cache_scheme's scales
+                if user.target in _CHOOSE or (user.target == aten.abs.default and user.users and all(
+                        u.target == aten.amax.default for u in user.users)):  # amax(abs(x)): a dynamic FP8 scale
                     continue  # a dynamic requantization: its quantize reads this dequantize too
                 if user.target in PASSTHROUGH and user.users and all(
                         self._same_requant(dq, q) for q in user.users):
@@ -350,17 +424,63 @@ class _Reader:
 
     def _same_requant(self, dq: Node, q: Node) -> bool:
         """``q`` quantizes with exactly ``dq``'s static qparams, and every use of it is stored."""
-        if q.target != _QD.quantize_per_tensor.default or dq.target not in _STATIC_DQ:
+        act = self.act_dq.get(dq)
+        if act is None or act.kind != "static" or not all(d in self.act_dq for d in q.users):
             return False
-        if tuple(q.args[1:6]) != tuple(dq.args[1:6]):
-            return False
-        return all(d in self.act_dq for d in q.users)
+        if q.target == _QD.quantize_per_tensor.default and dq.target in _STATIC_DQ:
+            return tuple(q.args[1:6]) == tuple(dq.args[1:6])
+        if q.target in FLOAT8_QUANTIZE_OPS:
+            return all(act.same(self.act_dq[d]) for d in q.users)
+        return False
+
+    def _kv(self, sdpa: Node) -> None:
+        """An attention whose key and value inputs are statically quantized: its KV-cache scales,
+        when ``cached_attention`` says the format scales that module's cache, else an unsupported layer."""
+        k, v = (self.act_dq.get(a) for a in sdpa.args[1:3])
+        if k is None and v is None:
+            return
+        module = _module(sdpa)
+        if k is None or v is None:
+            self._unsupported(module or sdpa.name, "a quantized key or value without the other",
+                              "quantize both (FP8Quantizer(kv_cache=...))")
+            return
+        kv = schemes.KVCache(module, k, v, (sdpa.args[1].name, sdpa.args[2].name))
+        problem = kv.problem()
+        if problem is None and type(k) is not type(v):
+            problem = ("keys and values in different formats", "quantize both with one kv_cache format")
+        if problem is None and self.plan.kv and json.dumps(next(iter(self.plan.kv.values())).args()) != \
+                json.dumps(kv.args()):
+            problem = ("two KV-cache formats in one model", "the format takes one kv_cache_scheme")
+        if problem is None and not self.cached_attention(self.hf.get(module)):
+            owner = type(self.hf.get(module)).__name__ if module in self.hf else "no module of the HF model"
+            problem = (f"a KV cache in {owner}", "the format's KV-cache scales belong to attention modules with "
+                       "k_proj/v_proj (decoders such as Llama): quantize without kv_cache")
+        if problem is not None:
+            self._unsupported(module or sdpa.name, *problem)
+            return
+        prev = self.plan.kv.get(module)
+        if prev is not None and not (prev.key.same(k) and prev.value.same(v)):
+            self._unsupported(module, "one attention called with different KV quantization", HINT_LINEAR)
+            return
+        self.plan.kv[module] = kv
+
+    def _nf4_float(self, dq: Node) -> torch.Tensor | None:
+        """The float weight an NF4 ``dequantize`` of folded constants computes (kept float)."""
+        codes, table, scale = dq.args[:3]
+        if not (isinstance(codes, Node) and codes.target == torch.ops.quantkit.unpack_int4.default
+                and all(isinstance(a, Node) and a.op == "get_attr" for a in (codes.args[0], table, scale))):
+            return None
+        q = torch.ops.quantkit.unpack_int4.default(_attr(self.gm, str(codes.args[0].target)), bool(codes.args[1]))
+        return torch.ops.quantkit.dequantize_nf4.default(q, _attr(self.gm, str(table.target)),
+                                                         _attr(self.gm, str(scale.target)), dq.args[3], torch.float32)
 
 
-def read_graph(gm: GraphModule, hf_modules: dict[str, torch.nn.Module]) -> Plan:
+def read_graph(gm: GraphModule, hf_modules: dict[str, torch.nn.Module],
+               cached_attention=schemes.kv_attention) -> Plan:
     """Read a converted graph against the HF model's modules (name -> module, e.g. built on
-    the meta device). Pure: ``gm`` is not modified."""
-    return _Reader(gm, hf_modules).read()
+    the meta device); ``cached_attention(module)`` says whether the consumer quantizes that
+    module's KV cache. Pure: ``gm`` is not modified."""
+    return _Reader(gm, hf_modules, cached_attention).read()
 
 
 def float_value(graph: torch.fx.Graph, dq: Node, memo: dict) -> Node:
@@ -371,8 +491,8 @@ def float_value(graph: torch.fx.Graph, dq: Node, memo: dict) -> Node:
     q = dq.args[0]
     src = q.args[0]
     if isinstance(src, Node) and src.target in PASSTHROUGH and isinstance(src.args[0], Node) \
-            and src.args[0].target in DEQUANTIZE_OPS and isinstance(src.args[0].args[0], Node) \
-            and src.args[0].args[0].target in QUANTIZE_OPS:
+            and src.args[0].target in ANY_DEQUANTIZE and isinstance(src.args[0].args[0], Node) \
+            and src.args[0].args[0].target in ANY_QUANTIZE:
         inner = float_value(graph, src.args[0], memo)
         with graph.inserting_after(inner):
             copy = graph.node_copy(src, lambda n: inner if n is src.args[0] else n)
