@@ -39,10 +39,12 @@ timeout 90 python3 benchmarks/bench_w4a16_gpu.py 2>&1 | tee "$OUT/bench_w4a16.md
 w4_rc=${PIPESTATUS[0]}
 
 # issue 15: FP8 (E4M3) GEMM, torch._scaled_mm row-wise / tensor-wise vs bf16 cuBLAS at Llama-3-8B shapes,
-# and the FP8 lowering on CUDA (tests/test_compile_fp8.py's CUDA test: _scaled_mm vs the q/dq graph)
-timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_compile_fp8.py -k cuda 2>&1 | tee "$OUT/tests_fp8.log"
+# and quantkit's Triton FP8 GEMM (kernels/_fp8_gemm.py; its float64 CUDA test ran above in tests/kernels),
+# and the FP8 lowering on CUDA (_scaled_mm and kernel="triton" vs the q/dq graph)
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_compile_fp8.py tests/test_compile_fp8_triton.py -k cuda \
+    2>&1 | tee "$OUT/tests_fp8.log"
 fp8_tests_rc=${PIPESTATUS[0]}
-timeout 120 python3 benchmarks/bench_fp8_gpu.py 2>&1 | tee "$OUT/bench_fp8.md"
+timeout 240 python3 benchmarks/bench_fp8_gpu.py 2>&1 | tee "$OUT/bench_fp8.md"  # Triton autotuning: 20 shapes x 9 configs
 fp8_rc=${PIPESTATUS[0]}
 
 # issue 20: the compressed-tensors W8A8 export loaded in vLLM, only where vLLM (and so compressed-tensors)
