@@ -43,9 +43,10 @@ from ._base import QuantkitObserver
 from ._histogram import _bin_exponent, _regrid
 from ._history import BatchHistory
 
-__all__ = ["sync", "sync_observers", "MIN", "MAX", "SUM", "CAT"]
+__all__ = ["sync", "sync_observers", "abandon", "MIN", "MAX", "SUM", "CAT", "EXCHANGED"]
 
 MIN, MAX, SUM, CAT = "min", "max", "sum", "cat"
+EXCHANGED = "quantkit_exchanged"  # set on an error every rank of the group raised (or learnt of) together
 _NONE = -(1 << 62)  # "no value" in MAX-reduced int64 vectors (no rank holds anything smaller)
 _MAXDIM = 4  # dimensions of a statistic whose shape ranks agree on
 _STATELESS = {"eps", "scale", "zero_point"}  # buffers that are configuration, not statistics
@@ -482,6 +483,27 @@ def sync_observers(observers, group=None) -> None:
     sig = zlib.crc32(";".join(f"{s.name}:{s.kind}" for s in syncs).encode())
     check = torch.tensor([error is not None, len(syncs), sig, -len(syncs), -sig], dtype=torch.int64, device=device)
     dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
+    try:
+        _reduce(syncs, check, error, rank, world, device, group)
+    except Exception as exc:  # every rank raises here too: nobody is left waiting in this sync
+        setattr(exc, EXCHANGED, True)
+        raise
+
+
+def abandon(group=None) -> None:
+    """For a rank whose own pass failed while the other ranks went on to :func:`sync_observers`:
+    join their first collective with the error flag set, so that they raise ("observer sync
+    failed on another rank") instead of waiting for it."""
+    dist = _dist()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    check = torch.tensor([1, 0, 0, 0, 0], dtype=torch.int64, device=_comm_device(group))
+    dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
+
+
+def _reduce(syncs: list[_Sync], check: torch.Tensor, error, rank: int, world: int, device, group) -> None:
+    """The rest of :func:`sync_observers`, after the check collective."""
+    dist = _dist()
     if error is not None:
         raise error
     if int(check[0]):

@@ -135,6 +135,22 @@ def ranks(tmp_path_factory):
             res["nan"] = "no error"
         except Exception as exc:  # noqa: BLE001 (type and message are checked by the test)
             res["nan"] = f"{type(exc).__name__}: {exc}"
+        # a GPTQ pass that fails on rank 1 only (after a calibration pass that passed everywhere)
+        original = HessianObserver._observe
+
+        def failing(self, x):
+            raise quantkit.CalibrationError(f"observer at node '{self.node_name}' failed on purpose")
+
+        if rank == 1:
+            HessianObserver._observe = failing
+        try:
+            _quantize(model, mine, "int4_gptq", "auto")
+            res["gptq_fails"] = "no error"
+        except Exception as exc:  # noqa: BLE001
+            res["gptq_fails"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            HessianObserver._observe = original
+        res["after"] = _rounded(_quantize(model, mine, "int4_gptq", "auto"))  # the group still works
         return res
 
     return run_ranks(work, tmp_path_factory.mktemp("rounding_ranks"))
@@ -228,6 +244,14 @@ def test_a_failing_rank_fails_gptq_on_every_rank(ranks):
     assert r1.startswith("CalibrationError: observer at node") and "NaN or inf" in r1, r1
     assert r0 == "CalibrationError: calibration failed on rank 1 of 2 (see that rank's error); every rank stops", r0
     assert "\n" not in r0 + r1
+
+
+def test_a_rank_failing_in_a_gptq_pass_fails_every_rank(ranks):
+    r0, r1 = ranks[0]["gptq_fails"], ranks[1]["gptq_fails"]
+    assert r1.startswith("CalibrationError: observer at node") and r1.endswith("failed on purpose"), r1
+    assert r0 == "ValueError: observer sync failed on another rank (see its error)", r0
+    for name, got in ranks[1]["after"].items():
+        assert all(torch.equal(a, b) for a, b in zip(ranks[1]["int4_gptq"][name], got)), name
 
 
 def test_cat_rows_in_rank_order_then_only_new_rows(ranks):

@@ -22,8 +22,10 @@ order, as :func:`quantkit.shard` splits a list, are the original batch order):
   in turn (float64 addition is not associative: the Hessians differ in the last bits), so
   the integers equal the single-process run's except at near-ties (tests: ≥ 99.9 %).
 
-Every pass exchanges an error flag first (:func:`quantkit.pipeline._distributed.on_all_ranks`),
-so a rank whose pass raised stops every rank there.
+AWQ's pass and the calibration pass exchange an error flag first
+(:func:`quantkit.pipeline._distributed.on_all_ranks`), so a rank whose pass raised stops every
+rank there; a rank whose GPTQ pass raised joins the other ranks' Hessian sync with the flag
+set (:func:`distributed_rounding`).
 """
 
 from __future__ import annotations
@@ -40,11 +42,23 @@ _ACTIVE = [False]  # within distributed_rounding(True): the rounding passes sync
 
 @contextlib.contextmanager
 def distributed_rounding(on: bool):
-    """Within: GPTQ's and AWQ's passes sync their statistics across the process group."""
+    """Within: GPTQ's and AWQ's passes sync their statistics across the process group.
+
+    An error leaving it that the ranks did not exchange (a GPTQ block's pass failed on this
+    rank, while the others wait in that block's Hessian sync) first joins that sync with the
+    error flag set (:func:`quantkit.observers._sync.abandon`), so every rank fails there; an
+    error every rank raises alike (rounding identical Hessians) joins on every rank alike."""
     before = _ACTIVE[0]
     _ACTIVE[0] = bool(on)
     try:
         yield
+    except Exception as exc:
+        from quantkit.observers._sync import EXCHANGED, abandon
+
+        if on and not getattr(exc, EXCHANGED, False):
+            setattr(exc, EXCHANGED, True)
+            abandon()
+        raise
     finally:
         _ACTIVE[0] = before
 

@@ -73,7 +73,7 @@ def on_all_ranks(run: Callable[[], int], then: Callable[[], Any] | None = None) 
     """
     import torch.distributed as dist
 
-    from quantkit.observers._sync import _comm_device
+    from quantkit.observers._sync import EXCHANGED, _comm_device
 
     rank, world = dist.get_rank(), dist.get_world_size()
     error, seen = None, 0
@@ -87,11 +87,14 @@ def on_all_ranks(run: Callable[[], int], then: Callable[[], Any] | None = None) 
     dist.all_reduce(flags)
     flags = flags.cpu()
     if error is not None:
+        setattr(error, EXCHANGED, True)
         raise error
     failed = [r for r in range(world) if flags[r, 0]]
     if failed:
-        raise CalibrationError(
+        exc = CalibrationError(
             f"calibration failed on rank {failed[0]} of {world} (see that rank's error); every rank stops")
+        setattr(exc, EXCHANGED, True)
+        raise exc
     if then is not None:
         then()
     return int(flags[:, 1].sum())
