@@ -37,7 +37,27 @@ def test_fp8_scheme_writes_float8_weights_and_records_the_recipe(mlp_inputs, tmp
     assert len(f8) == 3
 
 
+def test_fp8_gptq_per_head_kv_recipe_and_inspect(mlp_inputs, tmp_path, capsys):
+    weights, calib = mlp_inputs
+    out = tmp_path / "out"
+    assert main(_args(weights, calib, out, "--scheme", "fp8-dynamic", "--algorithm", "gptq",
+                      "--kv-cache", "int8", "--kv-granularity", "per-head")) == 0
+    doc = json.loads((out / "quantization.json").read_text())
+    recipe = doc["recipe"]
+    assert (recipe["weight_algorithm"], recipe["kv_cache"], recipe["kv_granularity"]) == ("gptq", "int8", "per-head")
+    weights_ = [t for t in doc["tensors"] if t["kind"] == "weight"]
+    assert len(weights_) == 3 and all(t["algorithm"] == "gptq" for t in weights_)
+    assert "gptq rounding" in (out / "report.md").read_text() and "KV cache int8 per head" in (
+        out / "report.md").read_text()
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "3 float8_e4m3fn weights" in said and "int8 weights" not in said, said
+
+
 @pytest.mark.parametrize("extra,message", [
+    (["--kv-granularity", "per-head"], "--kv-granularity applies to the FP8 schemes' --kv-cache"),
+    (["--scheme", "fp8", "--kv-granularity", "per-head"], "--kv-granularity needs --kv-cache FORMAT"),
     (["--kv-cache", "int8"], "--kv-cache applies to the FP8 schemes"),
     (["--scheme", "fp8", "--dynamic"], "--dynamic has no effect with --scheme fp8"),
     (["--scheme", "fp8-dynamic", "--observer", "mse"], "--observer has no effect with --scheme fp8-dynamic"),

@@ -100,7 +100,14 @@ def run_inspect(args, say) -> int:
     if isinstance(ratio, (int, float)):
         line += f" ({ratio:.3f}x the fp32 weights)"
     say(line)
-    say(f"  tensors:  {kinds['weight']} int8 weights, {kinds['activation']} static activations, "
+    # weights by stored dtype (int8, int4, float8_e4m3fn, ...), from the records
+    wdtypes: dict = {}
+    for t in tensors:
+        if str(t.get("kind", "")) == "weight":
+            d = str(t.get("dtype") or "int8")
+            wdtypes[d] = wdtypes.get(d, 0) + 1
+    weights = ", ".join(f"{n} {d} weights" for d, n in wdtypes.items()) or "0 weights"
+    say(f"  tensors:  {weights}, {kinds['activation']} static activations, "
         f"{kinds['dynamic']} dynamic activations")
     m = rep.get("metric")
     if m:

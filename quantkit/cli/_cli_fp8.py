@@ -1,4 +1,5 @@
-"""``quantkit quantize --scheme fp8 | fp8-dynamic [--kv-cache FORMAT]``: the FP8 recipes of the command line."""
+"""``quantkit quantize --scheme fp8 | fp8-dynamic [--kv-cache FORMAT [--kv-granularity per-head]]
+[--algorithm gptq]``: the FP8 recipes of the command line."""
 
 from __future__ import annotations
 
@@ -21,20 +22,29 @@ class FP8Recipe:
     observer: str = "minmax"
     kv_cache: str | None = None
     ops: tuple[str, ...] = ("linear", "matmul")
+    algorithm: str = "rtn"  # --algorithm: how the E4M3 weights are rounded (FP8Config.weight_algorithm)
+    kv_granularity: str = "per-tensor"  # --kv-granularity
 
     @staticmethod
     def from_args(args) -> "FP8Recipe | None":
         """The FP8 recipe ``--scheme`` asks for, or None; ``--kv-cache`` without it, or flags that
         mean something only for the int8 recipes, are usage errors."""
         scheme, kv = args.scheme, getattr(args, "kv_cache", None)
+        kv_granularity = getattr(args, "kv_granularity", None)
         if scheme not in FP8_SCHEMES:
             if kv is not None:
                 raise inputs.UsageError("--kv-cache applies to the FP8 schemes; add --scheme fp8 or fp8-dynamic, "
                                         "or drop it")
+            if kv_granularity is not None:
+                raise inputs.UsageError("--kv-granularity applies to the FP8 schemes' --kv-cache; add --scheme fp8 "
+                                        "--kv-cache FORMAT, or drop it")
             return None
+        if kv_granularity is not None and kv is None:
+            raise inputs.UsageError("--kv-granularity needs --kv-cache FORMAT (the KV cache it lays scales on); "
+                                    "add it or drop --kv-granularity")
         dynamic, _ = FP8_SCHEMES[scheme]
         int8_only = (("--activation", args.activation), ("--granularity", args.granularity),
-                     ("--dynamic", args.dynamic), ("--algorithm", getattr(args, "algorithm", None)))
+                     ("--dynamic", args.dynamic))
         for flag, value in int8_only:
             if value is not None and value is not False:
                 raise inputs.UsageError(f"{flag} has no effect with --scheme {scheme} (E4M3 activations, "
@@ -48,7 +58,8 @@ class FP8Recipe:
         ops = ("linear", "matmul")
         if args.ops is not None:
             ops = tuple(sorted({o.strip() for o in args.ops.split(",") if o.strip()}))
-        recipe = FP8Recipe(scheme, args.observer or "minmax", kv, ops)
+        recipe = FP8Recipe(scheme, args.observer or "minmax", kv, ops, getattr(args, "algorithm", None) or "rtn",
+                           kv_granularity or "per-tensor")
         try:
             recipe.quantizer([])
         except ValueError as exc:
@@ -63,7 +74,8 @@ class FP8Recipe:
 
         dynamic, granularity = FP8_SCHEMES[self.scheme]
         fp8 = FP8Quantizer(dynamic=dynamic, granularity=granularity, kv_cache=self.kv_cache,
-                           act_observer=self.observer, ops=frozenset(self.ops))
+                           kv_granularity=self.kv_granularity, act_observer=self.observer,
+                           ops=frozenset(self.ops), weight_algorithm=self.algorithm)
         embeddings = EmbeddingQuantizer()
         for name in skipped:
             fp8.set_module_name(name, None)
@@ -75,7 +87,8 @@ class FP8Recipe:
         return {"scheme": self.scheme, "fp8": True, "activation": "float8_e4m3fn", "dynamic": dynamic,
                 "granularity": granularity, "ops": list(self.ops), "observer": None if dynamic else self.observer,
                 "weights": "float8_e4m3fn per channel", "weight_observer": "per_channel_minmax",
-                "kv_cache": self.kv_cache, "embeddings": "int8 per row"}
+                "kv_cache": self.kv_cache, "kv_granularity": self.kv_granularity if self.kv_cache else None,
+                "weight_algorithm": self.algorithm, "embeddings": "int8 per row"}
 
 
 def describe_fp8(r: dict) -> str:
@@ -83,5 +96,8 @@ def describe_fp8(r: dict) -> str:
     act = ("E4M3 activations per token at run time" if r.get("dynamic")
            else f"static E4M3 activations (observer `{r.get('observer')}`)")
     kv = f", KV cache {r.get('kv_cache')}" if r.get("kv_cache") else ""
-    return (f"scheme `{r.get('scheme')}`: E4M3 weights (amax / 448 per channel), {act}{kv}, "
+    if kv and r.get("kv_granularity") == "per-head":
+        kv += " per head"
+    rounding = f", {r.get('weight_algorithm')} rounding" if r.get("weight_algorithm") not in (None, "rtn") else ""
+    return (f"scheme `{r.get('scheme')}`: E4M3 weights (amax / 448 per channel{rounding}), {act}{kv}, "
             f"ops {', '.join(r.get('ops') or [])}, int8 embeddings")

@@ -92,11 +92,14 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
     recipe.add_argument("--kv-cache", choices=["fp8_e4m3", "fp8_e5m2", "int8"],
                         help="FP8 schemes: calibrated per-tensor scales for every attention's keys and values "
                              "(q/dq on K after rotary, and on V), recorded in quantization.json")
+    recipe.add_argument("--kv-granularity", choices=["per-tensor", "per-head"],
+                        help="with --kv-cache: one K/V scale per tensor (default) or one per attention head")
     recipe.add_argument("--group-size", type=int, metavar="N",
                         help="weight-only schemes: input features per scale (default 128 for w4a16, 64 for nf4, "
                              "one per output channel for w8a16)")
     recipe.add_argument("--algorithm", choices=["rtn", "gptq", "awq"],
-                        help="how weights are rounded: rtn (to nearest; default), gptq or awq (need calibration data)")
+                        help="how weights are rounded (int and FP8 schemes): rtn (to nearest; default), gptq or awq "
+                             "(need calibration data)")
     recipe.add_argument("--activation", choices=["affine-uint8", "symmetric-int8", "affine-uint7"],
                         help="activation integers (default affine-uint8 static, symmetric-int8 dynamic); "
                              "affine-uint7 lets oneDNN run exactly on CPUs without VNNI")

@@ -94,5 +94,7 @@ def emit_float8(conv, node: Node, obs, const) -> Node:
     }
     if is_per_channel(obs.qscheme):
         record["axis"] = int(obs.ch_axis)
+    if isinstance(const, torch.Tensor):  # rtn, or gptq/awq (the codes calibrate chose)
+        record["algorithm"] = getattr(obs, "weight_algorithm", None) or "rtn"
     conv.records.append(record)
     return out
