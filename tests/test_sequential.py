@@ -244,9 +244,9 @@ def test_cli_max_memory_quantizes_block_by_block(checkpoints, tmp_path, capsys):
     assert not _sequential.PartialDir.beside(out).exists()
 
 
-def test_gptq_is_refused_before_any_block_runs(checkpoints, tmp_path):
-    quantizer = W8A8Quantizer(QuantConfig(weight_algorithm="gptq"))
-    with pytest.raises(quantkit.QuantkitError, match="weight_algorithm='gptq' .* not supported block by block"):
+def test_awq_is_refused_before_any_block_runs(checkpoints, tmp_path):
+    quantizer = W8A8Quantizer(QuantConfig(weight_algorithm="awq"))
+    with pytest.raises(quantkit.QuantkitError, match="weight_algorithm='awq' .* not supported block by block"):
         quantize_pretrained(checkpoints["llama"], _batches("llama"), quantizer, out=tmp_path / "o", sequential=True,
                             progress=False)
     assert list(tmp_path.iterdir()) == []

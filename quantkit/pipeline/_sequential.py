@@ -319,9 +319,9 @@ def _check_weight_observers(prepared: GraphModule) -> None:
             continue
         where = getattr(obs, "node_name", node.name)
         algorithm = getattr(obs, "weight_algorithm", "rtn") or "rtn"
-        if algorithm != "rtn":
+        if algorithm not in ("rtn", "gptq"):  # GPTQ: accuracy._gptq_blocks.SequentialGPTQ
             raise QuantkitError(f"weight_algorithm={algorithm!r} (weight at {where!r}) is not supported block by "
-                                "block yet (weights are rounded to nearest); use 'rtn' or quantize in memory")
+                                "block yet; use 'rtn' or 'gptq', or quantize in memory")
         if not _folds(obs):
             raise QuantkitError(f"the weight at {where!r} is quantized by {type(obs).__name__}, which block-by-block "
                                 "quantization does not support (int8/uint8 weights of quantkit's static observers "
@@ -378,6 +378,10 @@ class _Run:
 
         act_budget = None if self.budget is None else self.budget // 4
         cache = ActivationCache(partial.path, act_budget)
+        from ..accuracy._gptq_blocks import SequentialGPTQ  # the rounded stream, when weights ask for GPTQ
+
+        gptq = SequentialGPTQ(self.prepared, self.blocks, self.batches, partial.path, act_budget) \
+            if SequentialGPTQ.wanted(self.prepared) else None
         later_inputs = [set().union(*(b.inputs for b in self.blocks[i + 1:])) for i in range(len(self.blocks))]
         if done >= 0:
             try:
@@ -388,6 +392,8 @@ class _Run:
                 cache.resume(done)
                 for i in range(len(self.batches) if done < len(self.blocks) - 1 else 0):  # the tail hands nothing on
                     cache.get(i)
+                if gptq is not None:
+                    gptq.resume(done, partial.block_file, self.observers)
             except Exception as exc:  # missing or foreign files: a one-line error, never a traceback
                 raise QuantkitError(f"the partial run in {str(partial.path)!r} is damaged ({type(exc).__name__}); "
                                     "run again without --resume") from None
@@ -409,11 +415,15 @@ class _Run:
                         bar.update(1)
             finally:
                 bar.close()
-            weights = self._quantize_weights(block)
+            fixed = {} if gptq is None else gptq.round(
+                block, lambda i: self._head_values(self.batches[i]) if block.index == 0 else cache.get(i))
+            weights = {**self._quantize_weights(block), **fixed}
             used = {str(n.target) for n in block.module.graph.nodes if n.op == "call_module"}
             partial.commit_block(block.index, weights, {k: v for k, v in self.observers.items() if k in used})
             partial.mark_done(block.index)
             cache.finish(block.index)
+            if gptq is not None:
+                gptq.finish(block.index)
             del weights, values, produced, keep  # the float weights are gone once nothing holds them
             self._unload_weights(block)
             if kill_after is not None and int(kill_after) == block.index:

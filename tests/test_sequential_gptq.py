@@ -1,0 +1,165 @@
+"""GPTQ on the chain of blocks: block by block from safetensors (quantize_pretrained) and in memory.
+
+References: the in-memory path (``quantkit.quantize`` on the loaded model) for the sequential
+path, and the prefix re-run (one pass over the model's prefix per GPTQ block, the algorithm
+the in-memory path used before it cached each block's inputs) for the in-memory path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import quantkit
+from quantkit.accuracy import _gptq_blocks, _rounding
+from quantkit.pipeline import _sequential
+from quantkit.pipeline._sequential import quantize_pretrained
+from quantkit.quantizers import QuantConfig, W8A8Quantizer
+
+transformers = pytest.importorskip("transformers")
+
+from tests.test_sequential import _assert_same_model, _batches, _bert, _in_memory, _llama, _logits  # noqa: E402
+
+GPTQ = W8A8Quantizer(QuantConfig(weight_algorithm="gptq"))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {"llama": _llama(root / "llama"), "bert": _bert(root / "bert")}
+
+
+@pytest.fixture(scope="module")
+def llama_in_memory(checkpoints):
+    return _in_memory(checkpoints["llama"], _batches("llama"), GPTQ)
+
+
+def _state(model) -> dict:
+    return {k.removeprefix("model."): v for k, v in model.state_dict().items()}
+
+
+def _rtn_differs(path, batches, gptq_model) -> int:
+    rtn = _in_memory(path, batches, W8A8Quantizer()).state_dict()
+    return sum(not torch.equal(v, rtn[k]) for k, v in gptq_model.state_dict().items() if v.dtype == torch.int8)
+
+
+@pytest.mark.parametrize("kind", ["llama", "bert"])
+def test_sequential_gptq_equals_in_memory(checkpoints, llama_in_memory, kind, monkeypatch):
+    path, batches = checkpoints[kind], _batches(kind)
+    spilled: list[bool] = []
+    real_put = _sequential.ActivationCache.put
+
+    def put(self, block, i, values):  # the rounded stream is a second cache, under <partial>/gptq
+        spilled.append("gptq" in str(self.root))
+        return real_put(self, block, i, values)
+
+    monkeypatch.setattr(_sequential.ActivationCache, "put", put)
+    # a 4 KiB budget: both streams are read back from disk
+    seq = quantize_pretrained(path, batches, GPTQ, sequential=True, max_memory=4096, progress=False)
+    ref = llama_in_memory if kind == "llama" else _in_memory(path, batches, GPTQ)
+    _assert_same_model(seq, ref, seq.meta["quantkit_qparams"], ref.meta["quantkit_qparams"])
+    assert any(spilled) and not all(spilled)
+    # GPTQ really rounded: most int8 weights differ from round-to-nearest's
+    assert _rtn_differs(path, batches, ref) >= 6
+    assert torch.equal(_logits(seq, batches[0]), _logits(ref, batches[0]))
+
+
+def test_interrupted_gptq_run_resumes_to_the_same_artifact(checkpoints, llama_in_memory, tmp_path, monkeypatch):
+    path, out = checkpoints["llama"], tmp_path / "out"
+    monkeypatch.setenv(_sequential.KILL_AFTER_ENV, "1")  # interrupted once head and layer 0 are rounded
+
+    def killed(pid, sig):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_sequential.os, "kill", killed)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_pretrained(path, _batches("llama"), GPTQ, out=out, sequential=True, progress=False)
+    partial = _sequential.PartialDir.beside(out)
+    assert json.loads((partial / "state.json").read_text())["done"] == 1
+    assert (partial / "gptq" / "acts" / "0001").is_dir()  # layer 0's rounded outputs
+    monkeypatch.delenv(_sequential.KILL_AFTER_ENV)
+    ran: list[int] = []
+    real = _sequential._Run._load_weights
+    monkeypatch.setattr(_sequential._Run, "_load_weights", lambda self, b: (ran.append(b.index), real(self, b)))
+    quantize_pretrained(path, _batches("llama"), GPTQ, out=out, sequential=True, resume=True, progress=False)
+    assert ran == [2, 3] and not partial.exists()
+    loaded, ref = _state(quantkit.load(out)), llama_in_memory.state_dict()
+    assert sorted(loaded) == sorted(ref) and all(torch.equal(loaded[k], v) for k, v in ref.items())
+    tensors = json.loads((out / "quantization.json").read_text())["tensors"]
+    ref_records = llama_in_memory.meta["quantkit_qparams"]
+    assert [r["node"] for r in tensors] == [r["node"] for r in ref_records]
+    for got, want in zip(tensors, ref_records):  # quantization.json holds the qparams as float32 decimals
+        assert got.get("scale") == pytest.approx(want.get("scale"), rel=1e-6), got["node"]
+        assert got.get("zero_point") == want.get("zero_point"), got["node"]
+
+
+def test_in_memory_gptq_runs_each_block_once(checkpoints, llama_in_memory, monkeypatch):
+    """Each block: one Hessian pass per GPTQ group in it, one rounded forward to hand on; the
+    weights and qparams are those of the prefix re-run."""
+    path, batches = checkpoints["llama"], _batches("llama")
+    passes: list[tuple[int, str]] = []
+    real_hessians, real_call = _gptq_blocks.RoundedBlock.hessians, _gptq_blocks.RoundedBlock.__call__
+
+    def hessians(self, sources, n, get, masks):
+        passes.extend([(self.block.index, "hessian")] * n)
+        return real_hessians(self, sources, n, get, masks)
+
+    def call(self, values):
+        passes.append((self.block.index, "forward"))
+        return real_call(self, values)
+
+    monkeypatch.setattr(_gptq_blocks.RoundedBlock, "hessians", hessians)
+    monkeypatch.setattr(_gptq_blocks.RoundedBlock, "__call__", call)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    blocks = quantkit.quantize(model, batches[0], batches, GPTQ, progress=False)
+    n = len(batches)
+    # head (no GPTQ linear): forward only; layers: one Hessian pass + forward; tail (lm_head): one pass
+    assert passes == [(0, "forward")] * n + [(1, "hessian")] * n + [(1, "forward")] * n + \
+        [(2, "hessian")] * n + [(2, "forward")] * n + [(3, "hessian")] * n
+    assert len(blocks.meta.get("quantkit_qparams", [])) > 0
+    monkeypatch.setattr(_rounding, "run_gptq", _rounding.run_gptq_prefix)
+    prefix = quantkit.quantize(model, batches[0], batches, GPTQ, progress=False)
+    _assert_same_model(blocks, prefix, blocks.meta["quantkit_qparams"], prefix.meta["quantkit_qparams"])
+    _assert_same_model(blocks, llama_in_memory, blocks.meta["quantkit_qparams"],
+                       llama_in_memory.meta["quantkit_qparams"])
+
+
+def test_in_memory_gptq_falls_back_without_a_chain(monkeypatch):
+    """A graph with no repeated unit (an MLP) is rounded by the prefix re-run."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+    data = [torch.randn(4, 16) for _ in range(3)]
+    used: list[str] = []
+    real = _rounding.run_gptq_prefix
+    monkeypatch.setattr(_rounding, "run_gptq_prefix", lambda *a, **k: (used.append("prefix"), real(*a, **k))[1])
+    q = quantkit.quantize(model, data[0], data, GPTQ, progress=False)
+    assert used == ["prefix"]
+    assert sum(v.dtype == torch.int8 for v in q.state_dict().values()) == 2
+
+
+def test_cli_sequential_gptq(checkpoints, tmp_path, monkeypatch):
+    from quantkit.cli import main
+
+    rounded: list[str] = []
+    real = _rounding.round_linears
+    monkeypatch.setattr(_rounding, "round_linears",
+                        lambda lins, h, block, *a: (rounded.append(block), real(lins, h, block, *a))[1])
+    monkeypatch.setattr(_gptq_blocks, "round_linears", _rounding.round_linears)
+
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    g = torch.Generator().manual_seed(3)
+    for i in range(4):
+        torch.save(torch.randint(0, 96, (5 + i,), generator=g), calib / f"s{i}.pt")
+    out = tmp_path / "out"
+    args = ["quantize", str(checkpoints["llama"]), "--calib", str(calib), "--out", str(out), "--batch-size", "2",
+            "--sequential", "--algorithm", "gptq", "--quiet"]
+    assert main(args) == 0
+    doc = json.loads((out / "quantization.json").read_text())
+    assert doc["source"]["sequential"] is True
+    assert doc["recipe"]["weight_algorithm"] == "gptq"
+    assert rounded == ["model.layers.0", "model.layers.1", "lm_head"]  # every linear's group, block by block
+    assert os.path.isfile(out / "model.pt2")
