@@ -4,13 +4,16 @@ The protocol of ``bench_minilm_recipes.py`` (and tests/test_minilm.py): calibrat
 128 bundled sentences, score the last 100 (seq_len 64) by the cosine of the sentence embedding
 against the float model's.
 
-    python benchmarks/bench_minilm_fp8.py [--kv | --floors]
+    python benchmarks/bench_minilm_fp8.py [--kv | --floors | --gptq]
 
 ``--kv`` runs the KV-cache formats instead (``kv_cache=...`` on top of FP8 static, and dynamic per
 token on the Llama) on MiniLM and on a tiny random Llama (transformers ``LlamaConfig``, 2 layers, rotary), where the
 metric is the cosine of the last hidden states per real token, on 32 held-out random sequences.
 ``--floors`` runs only E4M3 fake quant written by hand on the float model (weights alone, inputs alone,
-both): where the FP8 error comes from.
+both; and weights with a per-channel MSE clipping search): where the FP8 error comes from.
+``--gptq`` runs FP8 static and dynamic per token with GPTQ-rounded E4M3 weights
+(``FP8Quantizer(weight_algorithm="gptq")``), and the GPTQ weights alone (the calibrated prepared
+model: rounded weights, float activations).
 """
 
 from __future__ import annotations
@@ -30,13 +33,41 @@ def _row(name, cos, seconds) -> str:
     return f"| {name} | {cos.mean():.5f} | {cos.min():.5f} | {int((cos < 0.99).sum())} | {seconds:.1f} |"
 
 
-def _run(gm, quantizer, calib, held, alpha=None):
+def _run(gm, quantizer, calib, held, alpha=None, weights_alone=None):
     graph = gm if alpha is None else quantkit.smooth_quant(gm, calib, alpha=alpha)
     prepared = quantkit.prepare(graph, quantizer)
     quantkit.calibrate(prepared, calib, progress=False)
+    if weights_alone is not None:  # the prepared model computes with the rounded weights, float activations
+        with torch.no_grad():
+            weights_alone.append(prepared(**held) if isinstance(held, dict) else prepared(held))
     qmodel = quantkit.convert(prepared)
     with torch.no_grad():
         return qmodel(**held) if isinstance(held, dict) else qmodel(held)
+
+
+def gptq() -> None:
+    """FP8 static / dynamic per token with GPTQ-rounded E4M3 weights, and those weights alone."""
+    model, tok = _hf.load_hf_model(_hf.default_model_path())
+    embedder = _hf.SentenceEmbedder(model).eval()
+    sents = _hf.read_sentences(_hf.default_calibration_file())
+    calib = _hf.tokenize(tok, sents[:128], seq_len=64, batch_size=32)
+    held = _hf.tokenize(tok, sents[-100:], seq_len=64, batch_size=100)[0]
+    with torch.no_grad():
+        ref = embedder(**held)
+    gm = quantkit.capture(embedder, calib[0])
+    print("all-MiniLM-L6-v2, 100 held-out sentences, GPTQ-rounded E4M3 weights (act_order, 1% dampening)")
+    print("| recipe | mean cosine | min cosine | sentences < 0.99 | time (s) |")
+    print("|---|---|---|---|---|")
+    for name, q in (("FP8 static + GPTQ weights", FP8Quantizer(weight_algorithm="gptq")),
+                    ("FP8 dynamic per-token + GPTQ weights",
+                     FP8Quantizer(dynamic=True, granularity="per-token", weight_algorithm="gptq"))):
+        t = time.perf_counter()
+        alone: list = []
+        out = _run(gm, q, calib, held, weights_alone=alone)
+        seconds = time.perf_counter() - t
+        print(_row(name, _hf.cosine(ref, out), seconds), flush=True)
+        print(_row(f"({name}: the GPTQ E4M3 weights alone, float activations)", _hf.cosine(ref, alone[0]), 0.0),
+              flush=True)
 
 
 def minilm(kv: bool) -> None:
@@ -96,10 +127,25 @@ def floors() -> None:
         s = float8_scale(amax)
         return dequantize_float8(quantize_float8(x, s), s)
 
-    def variant(weights: bool, acts: str | None):
+    def clipped(w):
+        """Per output channel, the clipping ``amax * (1 - j/100)``, j in 0..30, with the least
+        squared weight error on the E4M3 grid."""
+        amax = w.abs().amax(1, keepdim=True)
+        best, best_err = fq(w, amax), None
+        for j in range(31):
+            cand = fq(w, amax * (1 - j / 100))
+            err = (cand - w).pow(2).sum(1, keepdim=True)
+            best = cand if best_err is None else torch.where(err < best_err, cand, best)
+            best_err = err if best_err is None else torch.minimum(err, best_err)
+        return best
+
+    def variant(weights, acts: str | None, select=lambda name: True):
         m = copy.deepcopy(embedder)
-        lins = [mod for mod in m.modules() if isinstance(mod, torch.nn.Linear)]
-        if weights:
+        lins = [mod for name, mod in m.named_modules() if isinstance(mod, torch.nn.Linear) and select(name)]
+        if weights == "clip":
+            for lin in lins:
+                lin.weight.data = clipped(lin.weight.data)
+        elif weights:
             for lin in lins:
                 lin.weight.data = fq(lin.weight.data, lin.weight.data.abs().amax(1, keepdim=True))
         if acts == "per-token":
@@ -123,11 +169,26 @@ def floors() -> None:
     print("\nE4M3 fake quant by hand (bench protocol)")
     print("| what is E4M3 | mean cosine | min cosine | sentences < 0.99 | time (s) |")
     print("|---|---|---|---|---|")
-    for name, w, a in (("weights only", True, None), ("linear inputs per token only", False, "per-token"),
+    for name, w, a in (("weights only", True, None),
+                       ("weights only, per-channel MSE clipping search", "clip", None),
+                       ("linear inputs per token only", False, "per-token"),
                        ("weights + inputs per token", True, "per-token"),
                        ("weights + inputs, calibration amax", True, "static")):
         t = time.perf_counter()
         print(_row(name, variant(w, a), time.perf_counter() - t), flush=True)
+
+    # the error budget per part: E4M3 weights + per-token inputs on one group of linears, the rest float
+    print("\nE4M3 weights + per-token inputs on one group of linears only (the others float)")
+    print("| linears in E4M3 | mean cosine | min cosine | sentences < 0.99 | time (s) |")
+    print("|---|---|---|---|---|")
+    groups = {"attention q/k/v (18)": lambda n: ".attention.self." in n,
+              "attention output (6)": lambda n: n.endswith("attention.output.dense"),
+              "FFN up, intermediate (6)": lambda n: n.endswith("intermediate.dense"),
+              "FFN down, output (6)": lambda n: n.endswith(".output.dense") and "attention" not in n}
+    groups.update({f"block {i} (6)": (lambda i: lambda n: f".layer.{i}." in n)(i) for i in range(6)})
+    for name, select in groups.items():
+        t = time.perf_counter()
+        print(_row(name, variant(True, "per-token", select), time.perf_counter() - t), flush=True)
 
 
 def tiny_llama() -> None:
@@ -176,7 +237,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kv", action="store_true", help="KV-cache formats on MiniLM and a tiny random Llama")
     ap.add_argument("--floors", action="store_true", help="only the hand-written E4M3 fake-quant decomposition")
+    ap.add_argument("--gptq", action="store_true", help="FP8 static and dynamic with GPTQ-rounded weights")
     args = ap.parse_args(argv)
+    if args.gptq:
+        gptq()
+        return
     if args.floors:
         floors()
         return
