@@ -4,7 +4,8 @@ One thread per process (``torch.set_num_threads(1)``); the 2-process runs are tw
 forked from this process after capture, each calibrating its contiguous shard
 (``quantkit.shard``) with ``quantkit.calibrate``, which ends with the exact observer reduction
 (``quantkit.observers.sync``). Times are wall-clock, from a barrier to the end of
-``calibrate`` on the slower rank; the reduction is timed inside the ranks. Also checks that
+``calibrate`` on the slower rank; the reduction is timed inside the ranks, from a barrier
+(waiting for the slower rank is not counted) to the end of each sync. Also checks that
 the 2-process qparams equal the 1-process ones (``torch.equal``).
 
 With ``--gptq``: W8A8 with GPTQ weight rounding (minmax activations) instead, where the
@@ -80,6 +81,7 @@ def _rank(rank: int, port: int, gm, data, out: str, observers: list) -> None:
     inner, spent = _sync.sync_observers, []
 
     def timed(*a, **k):
+        dist.barrier()  # untimed: the wait for the slower rank is not the reduction's cost
         t = time.perf_counter()
         try:
             return inner(*a, **k)
