@@ -4,6 +4,8 @@
     python benchmarks/bench_weight_only.py --gemm          # 4096x4096 linear at M = 1 and 8
     python benchmarks/bench_weight_only.py --llama         # hidden 2048, 4 layers, 1 token
     python benchmarks/bench_weight_only.py --minilm [--algorithms rtn,gptq,awq]
+    python benchmarks/bench_weight_only.py --gptq          # GPTQ's per-layer math time
+    python benchmarks/bench_weight_only.py --gemm --threads 1 --clock cpu   # on a shared machine
 
 Speed is measured side by side in one process, interleaved: every round runs each variant once
 (``--calls`` calls, averaged), and the reported speedups are medians of the per-round ratios, so a
@@ -28,8 +30,12 @@ from quantkit.quantizers import WeightOnlyQuantizer
 aten = torch.ops.aten
 
 
+_CLOCK = time.perf_counter  # --clock cpu: time.thread_time (this thread's CPU time; 1 thread only)
+
+
 def _timed_rounds(variants: dict, rounds: int, calls: int) -> dict[str, list[float]]:
     """Seconds per call of every variant, per round; the variants of a round run back to back."""
+    clock = _CLOCK
     with torch.no_grad():
         for fn in variants.values():  # warm-up (and compilation)
             fn()
@@ -37,20 +43,29 @@ def _timed_rounds(variants: dict, rounds: int, calls: int) -> dict[str, list[flo
         times = {name: [] for name in variants}
         for _ in range(rounds):
             for name, fn in variants.items():
-                t = time.perf_counter()
+                t = clock()
                 for _ in range(calls):
                     fn()
-                times[name].append((time.perf_counter() - t) / calls)
+                times[name].append((clock() - t) / calls)
     return times
 
 
-def _table(times: dict[str, list[float]], base: str, title: str) -> None:
+def _ratio(times: dict[str, list[float]], base: str, name: str) -> float:
+    """Median over rounds of ``base``'s time / ``name``'s time (the speedup of ``name``)."""
+    return statistics.median(b / t for b, t in zip(times[base], times[name]))
+
+
+def _table(times: dict[str, list[float]], base: str, title: str, nbytes: dict | None = None) -> None:
+    """Markdown table: median time, speedup vs ``base``; with ``nbytes`` (weight bytes each variant
+    reads per call) also the bandwidth that time implies."""
     print(f"\n{title}")
-    print(f"| variant | median ms/call | speedup vs {base} (median of per-round ratios) |")
-    print("|---|---|---|")
+    gbs = "| weight GB/s " if nbytes else ""
+    print(f"| variant | median ms/call | speedup vs {base} (median of per-round ratios) {gbs}|")
+    print("|---|---|---|" + ("---|" if nbytes else ""))
     for name, ts in times.items():
-        ratio = statistics.median(b / t for b, t in zip(times[base], ts))
-        print(f"| {name} | {statistics.median(ts) * 1e3:.3f} | {ratio:.2f}x |")
+        med = statistics.median(ts)
+        cell = f"| {nbytes[name] / med / 1e9:.1f} " if nbytes and name in nbytes else ("| " if nbytes else "")
+        print(f"| {name} | {med * 1e3:.3f} | {_ratio(times, base, name):.2f}x {cell}|")
 
 
 def _int4_linear(n: int, k: int, group: int):
@@ -76,6 +91,8 @@ def bench_gemm(args) -> None:
     sz = next(b for name, b in lowered.named_buffers() if name.startswith("_qk_int4_scale_zero_"))
     w32 = model[0].weight.detach()
     w16 = w32.bfloat16()
+    sz32 = sz.float()
+    int4_bytes = packed.numel() + sz.numel() * sz.element_size()
     for m in (1, 8):
         x = torch.randn(m, k)
         xb = x.bfloat16()
@@ -85,13 +102,22 @@ def bench_gemm(args) -> None:
             "int4 g128 kernel (bf16 in/out)": lambda: aten._weight_int4pack_mm_for_cpu(xb, packed, g, sz),
             "int4 g128 lowered graph (fp32 in/out, eager)": lambda: lowered(x),
             "int4 g128 quantkit.compile": lambda: compiled(x),
-            "int4 g128 q/dq reference (eager)": lambda: converted(x),
         }
+        if args.diagnose:  # slow variants: aten's fp32-activation path, the unlowered q/dq graph
+            variants["int4 g128 kernel (fp32 in/out, fp32 scales)"] = lambda: aten._weight_int4pack_mm_for_cpu(
+                x, packed, g, sz32)
+            variants["int4 g128 q/dq reference (eager)"] = lambda: converted(x)
+        nbytes = {name: int4_bytes for name in variants if name.startswith("int4") and "q/dq" not in name}
+        nbytes.update({"fp32 eager (F.linear)": w32.numel() * 4, "bf16 eager (F.linear)": w16.numel() * 2})
         times = _timed_rounds(variants, args.rounds, args.calls)
-        _table(times, "fp32 eager (F.linear)", f"4096x4096 linear, M = {m} (x @ W^T, weights 64 MiB fp32 / 8.5 MiB int4)")
-        bf16 = times["bf16 eager (F.linear)"]
-        ratio = statistics.median(b / t for b, t in zip(bf16, times["int4 g128 kernel (bf16 in/out)"]))
-        print(f"int4 kernel vs bf16 eager: {ratio:.2f}x")
+        _table(times, "fp32 eager (F.linear)",
+               f"4096x4096 linear, M = {m} (x @ W^T, weights 64 MiB fp32 / 32 MiB bf16 / 8.5 MiB int4 + scales)",
+               nbytes)
+        bf16 = "bf16 eager (F.linear)"
+        for name in ("int4 g128 kernel (bf16 in/out)", "int4 g128 quantkit.compile"):
+            print(f"{name}: {_ratio(times, 'fp32 eager (F.linear)', name):.2f}x fp32 eager, "
+                  f"{_ratio(times, bf16, name):.2f}x bf16 eager" + ("  (issue 14 targets at M = 1: >= 6x, >= 3x)"
+                                                                   if m == 1 else ""))
 
 
 def bench_llama(args) -> None:
@@ -170,11 +196,40 @@ def bench_minilm(args) -> None:
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
+def bench_gptq(args) -> None:
+    """GPTQ's per-layer math (``gptq_quantize``, int4 g128 asymmetric, act_order) on MiniLM's
+    linear shapes and a 4096x4096 layer; a synthetic correlated Hessian (2k samples)."""
+    from quantkit.accuracy._gptq import gptq_quantize
+    from quantkit.accuracy._wscheme import WeightScheme
+
+    print("\nGPTQ per layer (gptq_quantize, int4 g128 asymmetric, act_order, float64), median of rounds")
+    print("| layer [out x in] | rounds | median s |")
+    print("|---|---|---|")
+    scheme = WeightScheme(-8, 7, False, 128)
+    for n, k, rounds in ((384, 384, 5), (1536, 384, 5), (384, 1536, 3), (4096, 4096, 1)):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(2 * k, k, generator=g) @ (torch.randn(k, k, generator=g) / k ** 0.5 + torch.eye(k))
+        h = (x.double().T @ x.double()) / x.shape[0]
+        w = torch.randn(n, k, generator=g) * 0.05
+        ts = []
+        for _ in range(rounds):
+            t = _CLOCK()
+            gptq_quantize(w, h, scheme)
+            ts.append(_CLOCK() - t)
+        print(f"| {n} x {k} | {rounds} | {statistics.median(ts):.3f} |")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gemm", action="store_true")
     ap.add_argument("--llama", action="store_true")
     ap.add_argument("--minilm", action="store_true")
+    ap.add_argument("--gptq", action="store_true", help="GPTQ's per-layer time on MiniLM and 4096x4096 shapes")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="--gemm: also aten's fp32-activation int4 path and the unlowered q/dq graph (slow)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this thread's CPU time (time.thread_time), immune to preemption on a shared "
+                         "machine; meaningful with --threads 1 only")
     ap.add_argument("--algorithms", default="rtn", help="MiniLM columns, comma-separated: rtn, gptq, awq")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--calls", type=int, default=8)
@@ -182,7 +237,12 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    every = not (args.gemm or args.llama or args.minilm)
+    if args.clock == "cpu":
+        if torch.get_num_threads() != 1:
+            ap.error("--clock cpu measures one thread's CPU time: add --threads 1")
+        global _CLOCK
+        _CLOCK = time.thread_time
+    every = not (args.gemm or args.llama or args.minilm or args.gptq)
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
     if every or args.gemm:
@@ -191,6 +251,8 @@ def main(argv=None) -> None:
         bench_llama(args)
     if every or args.minilm:
         bench_minilm(args)
+    if every or args.gptq:
+        bench_gptq(args)
 
 
 if __name__ == "__main__":

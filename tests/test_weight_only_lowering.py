@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import quantkit
-from quantkit.lowering._weight_only import lower_weight_only
+from quantkit.lowering._weight_only import has_quant_ops, lower_weight_only
 from quantkit.quantizers import WeightOnlyQuantizer
 
 aten = torch.ops.aten
@@ -83,6 +83,20 @@ def test_quantkit_compile_lowers_int4():
     counts = fast._orig_mod.meta["quantkit_lowering"]
     assert counts["weight_only_int4"] == 2
     assert _sqnr_db(ref(x), out) >= 40
+    # one kernel per layer, no q/dq left, so no per-call freezing wrapper around the compiled graph
+    assert _count(fast._orig_mod, aten._weight_int4pack_mm_for_cpu.default) == 2
+    assert not has_quant_ops(fast._orig_mod)
+    assert not isinstance(fast, quantkit.lowering._compile._Frozen)
+
+
+def test_has_quant_ops_sees_reference_layers():
+    x = torch.randn(4, 256)
+    nf4 = _converted(WeightOnlyQuantizer(scheme="nf4", group_size=64), x)  # no CPU kernel: keeps its dequantize
+    int4 = _converted(WeightOnlyQuantizer(bits=4, group_size=64), x)
+    assert has_quant_ops(nf4) and has_quant_ops(int4)
+    lower_weight_only(nf4, "cpu")
+    lower_weight_only(int4, "cpu")
+    assert has_quant_ops(nf4) and not has_quant_ops(int4)
 
 
 def test_cuda_lowering_rewrites_to_w4a16_op():

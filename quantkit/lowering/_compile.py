@@ -12,7 +12,7 @@ from ._bf16 import float_ops_to_bf16, resolve_float_dtype
 from ._fp8 import FP8_KERNELS, has_fp8_qdq, lower_fp8
 from ._lower import Target, lower
 from ._onednn import exact_for_graph
-from ._weight_only import lower_weight_only
+from ._weight_only import has_quant_ops, lower_weight_only
 
 __all__ = ["compile", "CPU_KERNELS", "LOWERING_META_KEY"]
 
@@ -97,7 +97,8 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", float_dtype: s
             )
     else:
         target = None
-    dtype = resolve_float_dtype(float_dtype, onednn=target is Target.ONEDNN)  # validates on CUDA too
+    # validates on CUDA too; "auto" is bf16 only where oneDNN int8 runs (not weight-only graphs: no activation q/dq)
+    dtype = resolve_float_dtype(float_dtype, onednn=target is Target.ONEDNN and _has_qdq(converted))
     gm = copy.deepcopy(converted)
     gm.meta[LOWERING_META_KEY] = lower(gm, target) if target is not None else {}
     if cpu_kernels != "reference" or target is Target.TRITON:  # int4/int8 weight-only linears
@@ -112,7 +113,11 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", float_dtype: s
     for p in gm.parameters():
         p.requires_grad_(False)  # inference graph: lets Inductor freeze (fold) the weights
     compiled = torch.compile(gm, **torch_compile_kwargs)
-    if target is Target.ONEDNN:
+    # a graph whose quantized layers are all weight-only kernels now (weights prepacked above, float
+    # ops float32) leaves nothing to Inductor's freezing: no _Frozen, whose per-call config patch
+    # and input copies cost ~0.1 ms (measured, 4096x4096 int4 linear at M = 1; BENCHMARKS.md, issue 14)
+    if target is Target.ONEDNN and not (any(wo.values()) and not gm.meta[LOWERING_META_KEY].get("to_bf16")
+                                        and not _has_qdq(gm) and not has_quant_ops(gm)):
         return _Frozen(compiled)
     return compiled
 

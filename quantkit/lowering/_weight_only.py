@@ -29,7 +29,7 @@ from torch.fx import GraphModule, Node
 from ._match import attr as _attr
 from ._triton import _buffer as _new_attr  # a uniquely named buffer and its get_attr before a node
 
-__all__ = ["lower_weight_only", "WeightOnlyMatch", "match_weight_only"]
+__all__ = ["lower_weight_only", "WeightOnlyMatch", "match_weight_only", "has_quant_ops"]
 
 aten = torch.ops.aten
 _CPU_GROUPS = (32, 64, 128, 256)  # aten._weight_int4pack_mm_for_cpu accepts these group sizes only
@@ -170,3 +170,10 @@ def lower_weight_only(gm: GraphModule, device_type: str = "cpu") -> dict[str, in
         gm.graph.lint()
         gm.recompile()
     return counts
+
+
+def has_quant_ops(gm: GraphModule) -> bool:
+    """Whether ``gm`` still holds quantize/dequantize ops (``quantized_decomposed`` or
+    ``quantkit`` namespaces: reference q/dq, NF4 or unlowered group-wise weights) after lowering."""
+    return any(n.op == "call_function" and getattr(n.target, "namespace", None) in ("quantized_decomposed", "quantkit")
+               for n in gm.graph.nodes)
