@@ -35,7 +35,7 @@ from .. import _hf
 from .._errors import QuantkitError
 from ..pipeline._inputs import call_model
 from . import _atomic
-from ._ct_plan import Plan, float_value, read_graph
+from ._ct_plan import ActQuant, Plan, float_value, read_graph
 from . import _ct_checks as checks
 from ._ct_schemes import is_float8, layer_tensors, quantization_config
 
@@ -71,6 +71,11 @@ _SHARD_BYTES = 5 * 1000**3
 _MIN_LAYER_SQNR_DB = 50.0
 _MAX_DYNAMIC_MARGIN_DB = 6.0
 _MIN_MEAN_COSINE = 0.99
+# without int8 activations (FP8, weight-only) the consumer computes with quantkit's dequantized
+# weights and the same FP8 rounding (x / scale, saturate, round to E4M3), so every row must agree
+# up to float32 summation order: measured min cosine 1 - 1e-15 on a tiny Llama and MiniLM; a
+# wrong tensor anywhere (e.g. a tied embedding stored with lm_head's values) gives < 0.998
+_MIN_EXACT_COSINE = 0.99999
 
 @dataclass(frozen=True)
 class CompressedTensorsExport:
@@ -192,12 +197,11 @@ def _tensors(qmodel: GraphModule, hf, plan: Plan) -> tuple[dict[str, torch.Tenso
         else:
             missing.append(key)
     for key in list(missing):  # a tied parameter quantkit's graph holds under its other name
-        twin = next((n for n in alias_of.get(key, ()) if n in out and n not in quantized), None)
+        # the value quantkit's graph computes with under the twin's name (even when the twin itself
+        # is stored quantized or dequantized: an int8 or NF4 lm_head beside a float embedding)
+        twin = next((n for n in alias_of.get(key, ()) if n in own), None)
         if twin is not None:
-            out[key] = out[twin]
-            missing.remove(key)
-        elif any(n in own for n in alias_of.get(key, ())):  # its twin is stored quantized (lm_head)
-            out[key] = own[next(n for n in alias_of[key] if n in own)].detach()
+            out[key] = own[twin].detach()
             missing.remove(key)
     for module, kv in plan.kv.items():
         out.update({f"{module}.{local}": t for local, t in kv.stored().items()})
@@ -208,7 +212,9 @@ def _tensors(qmodel: GraphModule, hf, plan: Plan) -> tuple[dict[str, torch.Tenso
     untied = []
     for group in aliases.values():
         kinds = {n in quantized for n in group}
-        if len(group) > 1 and len(kinds) > 1:
+        # also tied tensors stored with different values (an NF4 lm_head kept float beside a float embedding)
+        floats = [out[n] for n in group if n in out and n not in quantized]
+        if len(group) > 1 and (len(kinds) > 1 or any(not torch.equal(floats[0], f) for f in floats[1:])):
             untied.append(tuple(group))
     seen: set[int] = set()
     for k, v in out.items():  # safetensors refuses tensors that share storage (tied or views)
@@ -433,6 +439,13 @@ def _verify(directory: Path, cls, plan: Plan, qmodel: GraphModule, batches: list
         layers["kv_cache"] = {"attentions": len(plan.kv), "scales_equal": True, "applied_by_transformers": kv_applied}
     result = {**layers, **_compare(reference, model, batches), "min_layer_sqnr_db": _MIN_LAYER_SQNR_DB,
               "max_dynamic_margin_db": _MAX_DYNAMIC_MARGIN_DB, "min_mean_cosine": _MIN_MEAN_COSINE}
+    exact = not any(isinstance(layer.act, ActQuant) for layer in plan.linears.values())
+    if exact:
+        result["min_exact_cosine"] = _MIN_EXACT_COSINE
+        if not result["min_cosine"] >= _MIN_EXACT_COSINE:
+            raise QuantkitError(f"the export loaded with transformers does not compute quantkit's model (min cosine "
+                                f"{result['min_cosine']:.6f} < {_MIN_EXACT_COSINE} over {result['rows']} rows, where "
+                                "the weights and the FP8 rounding are the same); nothing was written, please report it")
     if not result["mean_cosine"] >= _MIN_MEAN_COSINE:
         raise QuantkitError(f"the export loaded with transformers does not match quantkit's model (mean cosine "
                             f"{result['mean_cosine']:.5f} < {_MIN_MEAN_COSINE} over {result['rows']} rows); nothing "

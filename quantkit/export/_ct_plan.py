@@ -331,6 +331,8 @@ class _Reader:
             if node.op == "call_function" and node.target == _SDPA:
                 self._kv(node)
         self._activation_uses(linear_inputs)
+        for name, w in schemes.group_weights_strategy({n: lin.weight for n, lin in self.plan.linears.items()}).items():
+            self.plan.linears[name].weight = w
         for node, what in self.unknown_dq.items():
             what, hint = what if isinstance(what, tuple) else (what, HINT_LATER)
             for user in node.users:

@@ -22,6 +22,7 @@ compressed-tensors is imported only inside functions (it is an optional extra).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ from torch.fx import GraphModule, Node
 from .._qmath import FLOAT8_DTYPES, dequantize_float8, float8_max, quantize_float8
 
 __all__ = ["quant_args", "Float8Weight", "GroupWeight", "Float8Act", "KVCache", "read_float8_weight",
-           "read_float8_act", "read_group_weight", "pair_problem", "quantization_config", "layer_tensors",
+           "read_float8_act", "read_group_weight", "group_weights_strategy", "pair_problem", "quantization_config", "layer_tensors",
            "HINT_NF4", "HINT_SCHEMES", "kv_attention", "is_float8", "FORMAT_INT", "FORMAT_FLOAT", "FORMAT_PACK"]
 
 _AO = torch.ops.torchao
@@ -195,6 +196,9 @@ class GroupWeight:
     quant_max: int
     dtype: torch.dtype
     group_size: int
+    # one group per row written as the "channel" strategy; set for the whole model
+    # (group_weights_strategy), since transformers' dequantizing loader applies one scheme to all
+    per_channel: bool = False
     format = FORMAT_PACK
 
     @property
@@ -219,7 +223,7 @@ class GroupWeight:
 
     @property
     def strategy(self) -> str:
-        return "channel" if self.group_size == self.q.shape[1] else "group"
+        return "channel" if self.per_channel else "group"
 
     def problem(self) -> tuple[str, str] | None:
         full = self.quant_max - self.quant_min + 1
@@ -255,6 +259,15 @@ class GroupWeight:
             out["weight_zero_point"] = pack_to_int32(zp.reshape(self.q.shape[0], -1), self.bits,
                                                      packed_dim=0).contiguous()
         return out
+
+
+def group_weights_strategy(weights: dict) -> dict:
+    """``weights`` (name -> weight) with group-wise ones written per channel when every one of them
+    has one group per row (``group_size=None``), else all as groups (a group size that equals
+    some layer's input features stays a group there: one scheme for the model)."""
+    groups = {k: w for k, w in weights.items() if isinstance(w, GroupWeight)}
+    per_channel = bool(groups) and all(w.group_size == w.q.shape[1] for w in groups.values())
+    return {k: dataclasses.replace(w, per_channel=per_channel) for k, w in groups.items()}
 
 
 def read_group_weight(gm: GraphModule, dq: Node) -> GroupWeight | None:
