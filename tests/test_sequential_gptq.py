@@ -17,7 +17,7 @@ import quantkit
 from quantkit.accuracy import _gptq_blocks, _rounding
 from quantkit.pipeline import _sequential
 from quantkit.pipeline._sequential import quantize_pretrained
-from quantkit.quantizers import QuantConfig, W8A8Quantizer
+from quantkit.quantizers import QuantConfig, W8A8Quantizer, WeightOnlyQuantizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,6 +64,29 @@ def test_sequential_gptq_equals_in_memory(checkpoints, llama_in_memory, kind, mo
     assert any(spilled) and not all(spilled)
     # GPTQ really rounded: most int8 weights differ from round-to-nearest's
     assert _rtn_differs(path, batches, ref) >= 6
+    assert torch.equal(_logits(seq, batches[0]), _logits(ref, batches[0]))
+
+
+# weight-only (group-wise observers): int4 rounded by GPTQ, written as an artifact; NF4 to nearest, in memory
+@pytest.mark.parametrize("kind,kwargs,write", [("llama", dict(bits=4, group_size=16, algorithm="gptq"), True),
+                                               ("bert", dict(bits=4, group_size=16, scheme="nf4"), False)])
+def test_sequential_weight_only_equals_in_memory(checkpoints, kind, kwargs, write, tmp_path):
+    path, batches = checkpoints[kind], _batches(kind)
+    quantizer = WeightOnlyQuantizer(**kwargs)
+    seq = quantize_pretrained(path, batches, quantizer, sequential=True, max_memory=4096, progress=False,
+                              out=tmp_path / "out" if write else None)
+    records = seq.meta["quantkit_qparams"] if not write else \
+        json.loads((tmp_path / "out" / "quantization.json").read_text())["tensors"]
+    if write:
+        seq = quantkit.load(tmp_path / "out")
+    ref = _in_memory(path, batches, quantizer)
+    got, want = _state(seq), ref.state_dict()
+    assert sorted(got) == sorted(want)
+    assert sum(v.dtype == torch.uint8 for v in want.values()) >= 13  # packed 4-bit weights: Llama 15, BERT 13
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    assert [r["node"] for r in records] == [r["node"] for r in ref.meta["quantkit_qparams"]]
+    assert all(r["algorithm"] == kwargs.get("algorithm", "rtn") for r in records)
     assert torch.equal(_logits(seq, batches[0]), _logits(ref, batches[0]))
 
 
@@ -156,10 +179,11 @@ def test_cli_sequential_gptq(checkpoints, tmp_path, monkeypatch):
         torch.save(torch.randint(0, 96, (5 + i,), generator=g), calib / f"s{i}.pt")
     out = tmp_path / "out"
     args = ["quantize", str(checkpoints["llama"]), "--calib", str(calib), "--out", str(out), "--batch-size", "2",
-            "--sequential", "--algorithm", "gptq", "--quiet"]
+            "--sequential", "--scheme", "w4a16", "--group-size", "16", "--algorithm", "gptq", "--quiet"]
     assert main(args) == 0
     doc = json.loads((out / "quantization.json").read_text())
     assert doc["source"]["sequential"] is True
-    assert doc["recipe"]["weight_algorithm"] == "gptq"
+    linears = [t for t in doc["tensors"] if t.get("kind") == "weight" and "-> linear" in t["node"]]
+    assert len(linears) == 15 and all(t["algorithm"] == "gptq" and t["dtype"] == "uint4" for t in linears)
     assert rounded == ["model.layers.0", "model.layers.1", "lm_head"]  # every linear's group, block by block
     assert os.path.isfile(out / "model.pt2")

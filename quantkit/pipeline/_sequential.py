@@ -35,8 +35,9 @@ from quantkit.observers._tokens import token_mask
 
 from .._errors import QuantkitError
 from ._calibrate import _padding_mask
-from ._convert import (FOLDED_PREFIX, QUANTIZE_OPS, _SUPPORTED, _constant_value, _is_calibrated,
+from ._convert import (FOLDED_PREFIX, QPARAMS_META_KEY, QUANTIZE_OPS, _SUPPORTED, _constant_value, _is_calibrated,
                        _remove_unused_attributes, convert_in_place)
+from ._convert_groupwise import is_groupwise
 from ._inputs import as_args_kwargs
 from ._meta_capture import CheckpointIndex, capture_without_weights, empty_model, index_checkpoint
 from ._partition import Block, partition, run_block
@@ -271,7 +272,7 @@ def _folds(obs) -> bool:
     """Whether convert folds ``obs``'s constant input into an integer tensor (its static branch)."""
     dtype = underlying_dtype(getattr(obs, "dtype", torch.float32))
     own_convert = hasattr(obs, "convert") and not isinstance(obs, QuantkitObserver)
-    return not own_convert and dtype in _SUPPORTED and not getattr(obs, "is_dynamic", False)
+    return not own_convert and not is_groupwise(obs) and dtype in _SUPPORTED and not getattr(obs, "is_dynamic", False)
 
 
 # rows quantized at once: the quantize ops make float temporaries the size of their input
@@ -322,7 +323,7 @@ def _check_weight_observers(prepared: GraphModule) -> None:
         if algorithm not in ("rtn", "gptq"):  # GPTQ: accuracy._gptq_blocks.SequentialGPTQ
             raise QuantkitError(f"weight_algorithm={algorithm!r} (weight at {where!r}) is not supported block by "
                                 "block yet; use 'rtn' or 'gptq', or quantize in memory")
-        if not _folds(obs):
+        if not _folds(obs) and not is_groupwise(obs):  # group-wise: _seq_groupwise
             raise QuantkitError(f"the weight at {where!r} is quantized by {type(obs).__name__}, which block-by-block "
                                 "quantization does not support (int8/uint8 weights of quantkit's static observers "
                                 "only); quantize this model in memory")
@@ -505,7 +506,11 @@ class _Run:
                 for key in f.keys():
                     sl = f.get_slice(key)
                     stored[key] = (path, tuple(sl.get_shape()), sl.get_dtype())
+        from ._seq_groupwise import fold_groupwise  # weight-only group-wise observers, one weight at a time
+
+        groupwise = fold_groupwise(self.prepared, stored)
         converted = convert_in_place(self.prepared, fold_quantize=False)
+        converted.meta[QPARAMS_META_KEY] = groupwise + converted.meta[QPARAMS_META_KEY]
         mode = next(t.fake_mode for t in list(converted.parameters()) + list(converted.buffers()) if _is_fake(t))
         streamed: dict[str, tuple[Path, str]] = {}
         graph = converted.graph

@@ -1,0 +1,94 @@
+"""GPTQ calibration time on all-MiniLM-L6-v2: each block run once (cached block inputs) vs the prefix re-run.
+
+In-memory GPTQ (``quantkit.calibrate`` with weights asking for GPTQ) used to collect each
+transformer block's Hessians with one pass over the model's prefix (O(L²) block forwards);
+it now runs on the chain of blocks of ``pipeline._partition`` with each block's inputs cached
+(O(L)), the same machinery the block-by-block path uses. This times both on the same prepared
+graph, interleaved (``--repeats`` rounds of blocks then prefix), and checks their int weights
+are identical. Columns: seconds of the GPTQ rounding alone (``run_gptq``) and of the whole
+``prepare + calibrate + convert`` (capture excluded); the load average is printed beside them
+(speed numbers on a shared machine are noisy).
+
+Run:  python benchmarks/bench_gptq_blocks.py [--calib 128] [--scheme int4|w8a8] [--repeats 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+from torch import nn
+
+import quantkit
+from quantkit import _hf
+from quantkit.accuracy import _rounding
+from quantkit.quantizers import QuantConfig, W8A8Quantizer, WeightOnlyQuantizer
+
+
+class SentenceEmbedder(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, token_type_ids, attention_mask):
+        out = self.model(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
+        return _hf.embed(out, attention_mask)
+
+
+def _quantizer(scheme: str):
+    if scheme == "int4":
+        return WeightOnlyQuantizer(bits=4, group_size=128, algorithm="gptq")
+    return W8A8Quantizer(QuantConfig(weight_algorithm="gptq"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calib", type=int, default=128, help="calibration sentences")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--scheme", choices=["int4", "w8a8"], default="int4",
+                        help="int4: WeightOnlyQuantizer(bits=4, group_size=128, algorithm='gptq'); "
+                             "w8a8: W8A8Quantizer(QuantConfig(weight_algorithm='gptq'))")
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model, tokenizer = _hf.load_hf_model(_hf.default_model_path())
+    sentences = _hf.read_sentences(_hf.default_calibration_file())
+    longest = max(len(ids) for ids in tokenizer(sentences)["input_ids"])
+    seq_len = -(-longest // 8) * 8
+    calib = _hf.tokenize(tokenizer, sentences[0::2][:args.calib], seq_len=seq_len, batch_size=args.batch_size)
+    graph = quantkit.capture(SentenceEmbedder(model).eval(), calib[0])
+    blocks_gptq = _rounding.run_gptq
+    timing: dict[str, float] = {}
+
+    def timed(fn):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                timing["gptq"] = time.perf_counter() - t0
+        return run
+
+    print(f"MiniLM, {args.calib} sentences in batches of {args.batch_size} (seq {seq_len}), GPTQ {args.scheme}, "
+          f"{torch.get_num_threads()} threads")
+    print("| run | GPTQ rounding s | prepare+calibrate+convert s | load avg (1 min) |")
+    print("|---|---|---|---|")
+    states = {}
+    for r in range(args.repeats):
+        for name, fn in (("blocks (each block once)", blocks_gptq), ("prefix re-run", _rounding.run_gptq_prefix)):
+            _rounding.run_gptq = timed(fn)
+            t0 = time.perf_counter()
+            qm = quantkit.quantize(graph, calib[0], calib, _quantizer(args.scheme), progress=False)
+            total = time.perf_counter() - t0
+            states[name] = {k: v for k, v in qm.state_dict().items() if not v.is_floating_point()}
+            print(f"| {name} | {timing['gptq']:.1f} | {total:.1f} | {os.getloadavg()[0]:.1f} |", flush=True)
+    _rounding.run_gptq = blocks_gptq
+    a, b = states.values()
+    same = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    print(f"integer tensors identical: {same} ({len(a)} tensors)")
+
+
+if __name__ == "__main__":
+    main()
