@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 import torch
@@ -226,7 +226,9 @@ def round_linears(lins: list[RoundedLinear], hessians: dict, block: str, config:
                 "pass batches that run that part of the model"
             )
         w = get_attr(owners[0], lin.weight)
-        res = gptq_quantize(w.detach(), h.hessian, WeightScheme.of(lin.observer), config)
+        damp = getattr(lin.observer, "gptq_percdamp", None)  # an observer may declare its dampening (FP8)
+        cfg = config if damp is None else replace(config, percdamp=float(damp))
+        res = gptq_quantize(w.detach(), h.hessian, WeightScheme.of(lin.observer), cfg)
         rounded = res.dequantized.to(w.dtype)
         for owner in owners:
             set_attr(owner, lin.weight, rounded)

@@ -177,11 +177,33 @@ def test_fp8_quantizer_gptq_end_to_end(dynamic):
     assert e_gptq < e_rtn, (e_gptq, e_rtn)
 
 
+def test_fp8_gptq_dampening_reaches_gptq():
+    """fc1's input is the data itself: its rounded weight is gptq_quantize on the data's Hessian with
+    the quantizer's dampening."""
+    torch.manual_seed(0)
+    model = _MLP().eval()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(64, 64, generator=g) @ (torch.eye(64) + torch.randn(64, 64, generator=g) / 8),)
+               for _ in range(2)]
+    x = torch.cat([b[0] for b in batches]).double()
+    h = x.T @ x / x.shape[0]
+    w = model.fc1.weight.detach()
+    for damp in (0.5, 0.01):
+        prepared, _ = _convert(model, batches, weight_algorithm="gptq", gptq_percdamp=damp)
+        ref = gptq_quantize(w, h, _scheme(), GPTQConfig(percdamp=damp)).dequantized
+        # (the observer's Hessian sums batch by batch: float64 summation order may flip a rare tie)
+        same = float((prepared.fc1.weight.detach() == ref).float().mean())
+        assert same >= 0.999, (damp, same)
+    assert not torch.equal(ref, gptq_quantize(w, h, _scheme(), GPTQConfig(percdamp=0.5)).dequantized)
+
+
 def test_fp8_config_weight_algorithm_errors():
     with pytest.raises(ValueError, match="unknown weight_algorithm 'gtpq'; use one of"):
         FP8Quantizer(weight_algorithm="gtpq")
     with pytest.raises(ValueError, match="a float8 weight scheme is symmetric with a float8 dtype"):
         WeightScheme(-448, 448, True, None, dtype=torch.int8, float8=True)
+    with pytest.raises(ValueError, match=r"gptq_percdamp must be in \(0, 1\], got 0"):
+        FP8Quantizer(weight_algorithm="gptq", gptq_percdamp=0)
 
 
 def test_fp8_quantizer_awq_runs_on_the_e4m3_grid():
