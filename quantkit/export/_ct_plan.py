@@ -419,7 +419,8 @@ class _Reader:
                 if user.target in PASSTHROUGH and user.users and all(
                         self._same_requant(dq, q) for q in user.users):
                     continue
-                if not (user.target == aten.linear.default and user.args[0] is dq):  # else: listed already
+                listed = user.target == _SDPA and any(u.module == _module(user) for u in self.plan.unsupported)
+                if not listed and not (user.target == aten.linear.default and user.args[0] is dq):  # else: listed
                     self._unsupported(_module(user) or user.name, _what(user, "input"), HINT_LINEAR)
                 if dq.name not in self.plan.bypass:
                     self.plan.bypass.append(dq.name)
