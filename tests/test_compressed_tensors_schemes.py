@@ -421,3 +421,17 @@ def test_minilm(minilm, tmp_path, scheme):
     print(f"MiniLM {scheme}: held-out sentence cosine vs quantkit min {cos.min():.7f} mean {cos.mean():.7f}; "
           f"verification {json.dumps(result.verification)}")
     assert cos.min() >= 0.999, cos
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--scheme", "nf4"], "cannot store --scheme nf4 (compressed-tensors has no NF4 scheme): use --scheme w4a16"),
+    (["--scheme", "fp8", "--kv-cache", "fp8_e5m2"], "cannot store --kv-cache fp8_e5m2"),
+    (["--scheme", "fp8", "--kv-cache", "fp8_e4m3", "--kv-granularity", "per-head"], "per-tensor KV-cache scales"),
+])
+def test_cli_refuses_unexpressible_recipes_before_loading(bert, tmp_path, capsys, flags, message):
+    directory, sentences = bert
+    out = tmp_path / "o"
+    assert main(["quantize", str(directory), "--calib", str(sentences), "--out", str(out),
+                 "--format", "compressed-tensors"] + flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and err.count("\n") == 0 and not out.exists()

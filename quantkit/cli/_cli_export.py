@@ -35,6 +35,7 @@ def check(args, spec: inputs.ModelSpec, out: Path, check_pt2_dir) -> Path:
         raise inputs.UsageError("--skip-unsupported applies to --format compressed-tensors only; add it or drop "
                                 "--skip-unsupported")
     if CT in formats:
+        _refuse_unexpressible(args)
         if not spec.is_hf:
             raise inputs.UsageError("--format compressed-tensors writes an HF checkpoint, so MODEL must be an HF model "
                                     "directory (config.json and weights), not a factory")
@@ -46,6 +47,20 @@ def check(args, spec: inputs.ModelSpec, out: Path, check_pt2_dir) -> Path:
 
         return check_out_dir(out, overwrite=args.force, flag="--force", exists_error=inputs.UsageError)
     return check_pt2_dir(out)
+
+
+def _refuse_unexpressible(args) -> None:
+    """Recipes with no compressed-tensors scheme at all, refused before anything loads (the rest,
+    per layer, after quantizing and before writing)."""
+    why = None
+    if getattr(args, "scheme", None) == "nf4":
+        why = "--scheme nf4 (compressed-tensors has no NF4 scheme): use --scheme w4a16"
+    elif getattr(args, "kv_cache", None) == "fp8_e5m2":
+        why = "--kv-cache fp8_e5m2 (the format's 8-bit float is E4M3): use --kv-cache fp8_e4m3"
+    elif getattr(args, "kv_cache", None) and getattr(args, "kv_granularity", None) == "per-head":
+        why = "--kv-granularity per-head (quantkit writes per-tensor KV-cache scales): drop --kv-granularity"
+    if why is not None:
+        raise inputs.UsageError(f"--format compressed-tensors cannot store {why}, or use --format pt2")
 
 
 def refuse_sequential(args) -> None:
