@@ -45,8 +45,9 @@ def _run(gm, quantizer, calib, held, alpha=None, weights_alone=None):
         return qmodel(**held) if isinstance(held, dict) else qmodel(held)
 
 
-def gptq() -> None:
-    """FP8 static / dynamic per token with GPTQ-rounded E4M3 weights, and those weights alone."""
+def _minilm():
+    """The bench protocol: the embedder, 128 calibration sentences (first), 100 held out (last), the
+    float embeddings of the held-out ones."""
     model, tok = _hf.load_hf_model(_hf.default_model_path())
     embedder = _hf.SentenceEmbedder(model).eval()
     sents = _hf.read_sentences(_hf.default_calibration_file())
@@ -54,6 +55,12 @@ def gptq() -> None:
     held = _hf.tokenize(tok, sents[-100:], seq_len=64, batch_size=100)[0]
     with torch.no_grad():
         ref = embedder(**held)
+    return embedder, calib, held, ref
+
+
+def gptq() -> None:
+    """FP8 static / dynamic per token with GPTQ-rounded E4M3 weights, and those weights alone."""
+    embedder, calib, held, ref = _minilm()
     gm = quantkit.capture(embedder, calib[0])
     print("all-MiniLM-L6-v2, 100 held-out sentences, GPTQ-rounded E4M3 weights (act_order, 1% dampening)")
     print("| recipe | mean cosine | min cosine | sentences < 0.99 | time (s) |")
@@ -71,13 +78,7 @@ def gptq() -> None:
 
 
 def minilm(kv: bool) -> None:
-    model, tok = _hf.load_hf_model(_hf.default_model_path())
-    embedder = _hf.SentenceEmbedder(model).eval()
-    sents = _hf.read_sentences(_hf.default_calibration_file())
-    calib = _hf.tokenize(tok, sents[:128], seq_len=64, batch_size=32)
-    held = _hf.tokenize(tok, sents[-100:], seq_len=64, batch_size=100)[0]
-    with torch.no_grad():
-        ref = embedder(**held)
+    embedder, calib, held, ref = _minilm()
     gm = quantkit.capture(embedder, calib[0])
     recipes = {
         "int8 static W8A8 (W8A8Quantizer())": W8A8Quantizer(),
@@ -115,13 +116,7 @@ def floors() -> None:
 
     from quantkit._qmath import dequantize_float8, float8_scale, quantize_float8
 
-    model, tok = _hf.load_hf_model(_hf.default_model_path())
-    embedder = _hf.SentenceEmbedder(model).eval()
-    sents = _hf.read_sentences(_hf.default_calibration_file())
-    calib = _hf.tokenize(tok, sents[:128], seq_len=64, batch_size=32)
-    held = _hf.tokenize(tok, sents[-100:], seq_len=64, batch_size=100)[0]
-    with torch.no_grad():
-        ref = embedder(**held)
+    embedder, calib, held, ref = _minilm()
 
     def fq(x, amax):
         s = float8_scale(amax)

@@ -23,17 +23,14 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from ._int8_gemm import _config
+
 __all__ = ["fp8_linear", "FP8_OUT_DTYPES"]
 
 FP8_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _E4M3 = torch.float8_e4m3fn
 # interpreter tiles (CPU tensors under TRITON_INTERPRET=1): small, so tests cross M/N/K tile edges
 _INTERPRET_META = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=4)
-
-
-def _config(bm, bn, bk, stages, warps, group_m=8):
-    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m),
-                         num_stages=stages, num_warps=warps)
 
 
 # FP8 wgmma/mma takes k=32 per instruction: BLOCK_K >= 64 (128 keeps two in flight per stage); sm90's

@@ -11,28 +11,13 @@ import torch
 import quantkit
 from quantkit._qmath import sqnr
 from quantkit.lowering._fp8 import lower_fp8
-from quantkit.quantizers import FP8Quantizer
-from tests.models import make_transformer
+from tests.test_compile_fp8 import _LAYOUTS as ALL_LAYOUTS
+from tests.test_compile_fp8 import _converted, block  # noqa: F401  (the block fixture)
 
-_LAYOUTS = {  # activation scales x weight scales
-    "static-tensor x channel": {},
-    "token x tensor": {"dynamic": True, "granularity": "per-token", "weight_granularity": "per-tensor"},
-    "dynamic-tensor x channel": {"dynamic": True},
-}
+# activation scales x weight scales: three of test_compile_fp8's layouts
+_LAYOUTS = {k: v for k, v in ALL_LAYOUTS.items()
+            if k in ("static-tensor x channel", "token x tensor", "dynamic-tensor x channel")}
 _CUDA_FP8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-
-
-@pytest.fixture(scope="module")
-def block():
-    model, x = make_transformer(d=32)
-    return model, x[:8], quantkit.capture(model, (x[:4],))
-
-
-def _converted(block, kwargs):
-    _, x, gm = block
-    prepared = quantkit.prepare(gm, FP8Quantizer(**kwargs))
-    quantkit.calibrate(prepared, [x[:4], x[4:]], progress=False)
-    return quantkit.convert(prepared)
 
 
 @pytest.mark.parametrize("kwargs", list(_LAYOUTS.values()), ids=list(_LAYOUTS))

@@ -12,6 +12,7 @@ import quantkit
 from quantkit.accuracy._gptq import GPTQConfig, gptq_quantize
 from quantkit.accuracy._wscheme import WeightScheme
 from quantkit.quantizers import FP8Quantizer
+from tests.accuracy.test_gptq import _layer as gptq_layer
 
 _AO = torch.ops.torchao
 
@@ -66,13 +67,9 @@ def _ref_gptq_fp8(W, H, dtype, act_order, percdamp=0.01):
     return Q[:, inv], scale
 
 
-def _layer(seed=0, n=32, k=128, rows=400):
-    g = torch.Generator().manual_seed(seed)
-    mix = torch.randn(k, k, generator=g) / k ** 0.5 + torch.eye(k)
-    x = torch.randn(rows, k, generator=g) @ mix
-    x[:, :4] *= 6
-    x[:, 7] = 0  # a dead input feature
-    w = torch.randn(n, k, generator=g) * 0.05
+def _layer(seed=0):
+    """test_gptq's layer (correlated inputs, strong and dead features), smaller, with a weight outlier."""
+    w, x = gptq_layer(seed, n=32, k=128, rows=400)
     w[3, 5] = 0.9  # an outlier that sets its row's scale
     return w, x
 
