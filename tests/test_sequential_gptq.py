@@ -90,6 +90,15 @@ def test_sequential_weight_only_equals_in_memory(checkpoints, kind, kwargs, writ
     assert torch.equal(_logits(seq, batches[0]), _logits(ref, batches[0]))
 
 
+def test_fp8_weights_are_refused_before_any_block_runs(checkpoints, tmp_path):
+    from quantkit.quantizers import FP8Quantizer
+
+    with pytest.raises(quantkit.QuantkitError, match=r"quantized by \w+ \(float8_e4m3fn\), which block-by-block "):
+        quantize_pretrained(checkpoints["llama"], _batches("llama"), FP8Quantizer(), out=tmp_path / "o",
+                            sequential=True, progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_interrupted_gptq_run_resumes_to_the_same_artifact(checkpoints, llama_in_memory, tmp_path, monkeypatch):
     path, out = checkpoints["llama"], tmp_path / "out"
     monkeypatch.setenv(_sequential.KILL_AFTER_ENV, "1")  # interrupted once head and layer 0 are rounded

@@ -37,6 +37,7 @@ from .._errors import QuantkitError
 from ._calibrate import _padding_mask
 from ._convert import (FOLDED_PREFIX, QPARAMS_META_KEY, QUANTIZE_OPS, _SUPPORTED, _constant_value, _is_calibrated,
                        _remove_unused_attributes, convert_in_place)
+from ._convert_fp8 import is_float8_observer
 from ._convert_groupwise import is_groupwise
 from ._inputs import as_args_kwargs
 from ._meta_capture import CheckpointIndex, capture_without_weights, empty_model, index_checkpoint
@@ -272,7 +273,8 @@ def _folds(obs) -> bool:
     """Whether convert folds ``obs``'s constant input into an integer tensor (its static branch)."""
     dtype = underlying_dtype(getattr(obs, "dtype", torch.float32))
     own_convert = hasattr(obs, "convert") and not isinstance(obs, QuantkitObserver)
-    return not own_convert and not is_groupwise(obs) and dtype in _SUPPORTED and not getattr(obs, "is_dynamic", False)
+    return (not own_convert and not is_groupwise(obs) and not is_float8_observer(obs) and dtype in _SUPPORTED
+            and not getattr(obs, "is_dynamic", False))
 
 
 # rows quantized at once: the quantize ops make float temporaries the size of their input
@@ -324,9 +326,10 @@ def _check_weight_observers(prepared: GraphModule) -> None:
             raise QuantkitError(f"weight_algorithm={algorithm!r} (weight at {where!r}) is not supported block by "
                                 "block yet; use 'rtn' or 'gptq', or quantize in memory")
         if not _folds(obs) and not is_groupwise(obs):  # group-wise: _seq_groupwise
-            raise QuantkitError(f"the weight at {where!r} is quantized by {type(obs).__name__}, which block-by-block "
-                                "quantization does not support (int8/uint8 weights of quantkit's static observers "
-                                "only); quantize this model in memory")
+            kind = str(getattr(obs, "dtype", "")).replace("torch.", "")
+            raise QuantkitError(f"the weight at {where!r} is quantized by {type(obs).__name__} ({kind}), which "
+                                "block-by-block quantization does not support (int8/uint8 weights of quantkit's "
+                                "static observers and group-wise weight-only ones); quantize this model in memory")
 
 
 class _Run:
