@@ -5,7 +5,8 @@ transformer block's Hessians with one pass over the model's prefix (O(L²) block
 it now runs on the chain of blocks of ``pipeline._partition`` with each block's inputs cached
 (O(L)), the same machinery the block-by-block path uses. This times both on the same prepared
 graph, interleaved (``--repeats`` rounds of blocks then prefix), and checks their int weights
-are identical. Columns: seconds of the GPTQ rounding alone (``run_gptq``) and of the whole
+are identical. Columns: seconds of the GPTQ rounding alone (``run_gptq``), split into the
+per-layer algorithm (``gptq_quantize``) and the rest (data passes), and of the whole
 ``prepare + calibrate + convert`` (capture excluded); the load average is printed beside them
 (speed numbers on a shared machine are noisy).
 
@@ -61,6 +62,16 @@ def main() -> None:
     graph = quantkit.capture(SentenceEmbedder(model).eval(), calib[0])
     blocks_gptq = _rounding.run_gptq
     timing: dict[str, float] = {}
+    real_quantize = _rounding.gptq_quantize
+
+    def quantize_timed(*a, **k):  # the per-layer algorithm (column loop), apart from the data passes
+        t0 = time.perf_counter()
+        try:
+            return real_quantize(*a, **k)
+        finally:
+            timing["layers"] = timing.get("layers", 0.0) + time.perf_counter() - t0
+
+    _rounding.gptq_quantize = quantize_timed
 
     def timed(fn):
         def run(*a, **k):
@@ -73,17 +84,20 @@ def main() -> None:
 
     print(f"MiniLM, {args.calib} sentences in batches of {args.batch_size} (seq {seq_len}), GPTQ {args.scheme}, "
           f"{torch.get_num_threads()} threads")
-    print("| run | GPTQ rounding s | prepare+calibrate+convert s | load avg (1 min) |")
-    print("|---|---|---|---|")
+    print("| run | GPTQ rounding s | of which gptq_quantize s | data passes s | prepare+calibrate+convert s "
+          "| load avg (1 min) |")
+    print("|---|---|---|---|---|---|")
     states = {}
     for r in range(args.repeats):
         for name, fn in (("blocks (each block once)", blocks_gptq), ("prefix re-run", _rounding.run_gptq_prefix)):
             _rounding.run_gptq = timed(fn)
+            timing["layers"] = 0.0
             t0 = time.perf_counter()
             qm = quantkit.quantize(graph, calib[0], calib, _quantizer(args.scheme), progress=False)
             total = time.perf_counter() - t0
             states[name] = {k: v for k, v in qm.state_dict().items() if not v.is_floating_point()}
-            print(f"| {name} | {timing['gptq']:.1f} | {total:.1f} | {os.getloadavg()[0]:.1f} |", flush=True)
+            print(f"| {name} | {timing['gptq']:.1f} | {timing['layers']:.1f} | {timing['gptq'] - timing['layers']:.1f} "
+                  f"| {total:.1f} | {os.getloadavg()[0]:.1f} |", flush=True)
     _rounding.run_gptq = blocks_gptq
     a, b = states.values()
     same = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
