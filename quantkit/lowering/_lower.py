@@ -17,7 +17,7 @@ from enum import Enum
 import torch
 from torch.fx import GraphModule
 
-from . import _onednn, _triton
+from . import _cpu_fuse, _onednn, _triton
 from ._match import match_linear, match_matmul
 
 __all__ = ["Target", "lower"]
@@ -45,6 +45,9 @@ def lower(gm: GraphModule, target: Target | str) -> dict[str, int]:
     if target is Target.ONEDNN:
         counts = {
             "int8_to_uint8": _onednn.int8_activations_to_uint8(gm),
+            # exact rewrites (see _cpu_fuse), after int8 -> uint8 so the chains they read are uint8
+            "requantize_chains": _cpu_fuse.collapse_requantize_chains(gm),
+            "fused_sibling_linears": _cpu_fuse.fuse_sibling_linears(gm),
             "reduced_range_clamps": _onednn.clamp_reduced_range_quantizes(gm),
         }
         gm.graph.eliminate_dead_code()
