@@ -355,6 +355,24 @@ def test_tiny_bert(bert, tmp_path, scheme):
         got = loaded.eval()(**heldout).last_hidden_state
     assert _cosines(ref, got, heldout["attention_mask"]).min() >= 0.99999
 
+    # from the artifact quantkit.load reads back (no module names in its graph: quantization.json's
+    # records name the layers): the same checkpoint, tensor for tensor
+    quantkit.save(qmodel, tmp_path / "artifact")
+    again = tmp_path / "from-artifact"
+    quantkit.export_compressed_tensors(quantkit.load(tmp_path / "artifact"), directory, again, inputs=[heldout],
+                                       skip_unsupported=scheme == "fp8")
+    first, second = _safetensors(out), _safetensors(again)
+    assert sorted(first) == sorted(second)
+    for key, t in first.items():
+        assert t.dtype == second[key].dtype and torch.equal(t.view(torch.uint8), second[key].view(torch.uint8)), key
+    assert json.loads((again / "config.json").read_text()) == json.loads((out / "config.json").read_text())
+    if scheme == "w4a16-g32":  # without its records the loaded graph names no layer: one line
+        (tmp_path / "artifact" / "quantization.json").unlink()
+        with pytest.raises(quantkit.QuantkitError, match="has no quantization.json records to name its layers"):
+            quantkit.export_compressed_tensors(quantkit.load(tmp_path / "artifact"), directory, tmp_path / "x",
+                                               inputs=[heldout])
+        assert not (tmp_path / "x").exists()
+
 
 @pytest.mark.parametrize("scheme", [["--scheme", "fp8"], ["--scheme", "w4a16", "--group-size", "32"]])
 def test_cli_tiny_bert(bert, tmp_path, scheme):

@@ -35,7 +35,7 @@ from .. import _hf
 from .._errors import QuantkitError
 from ..pipeline._inputs import call_model
 from . import _atomic
-from ._ct_plan import ActQuant, Plan, float_value, read_graph
+from ._ct_plan import ActQuant, Plan, float_value, read_graph, recorded_modules
 from . import _ct_checks as checks
 from ._ct_schemes import is_float8, layer_tensors, quantization_config
 
@@ -177,6 +177,8 @@ def _tensors(qmodel: GraphModule, hf, plan: Plan) -> tuple[dict[str, torch.Tenso
     of tied HF parameters that are now stored differently (one int8, one float)."""
     own = dict(qmodel.named_parameters(remove_duplicate=False))
     own.update(dict(qmodel.named_buffers(remove_duplicate=False)))
+    if qmodel.meta.get("quantkit_program") is not None:  # quantkit.load: the HF model is the wrapper's .model
+        own = {k[len("model."):] if k.startswith("model.") else k: v for k, v in own.items()}
     aliases: dict[int, list[str]] = {}
     for name, p in hf.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
@@ -494,7 +496,12 @@ def write_checkpoint(qmodel: GraphModule, model_dir: str | os.PathLike, director
         first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
         raise QuantkitError(f"could not read the config.json in {str(model_dir)!r}: {first.strip()}") from None
     hf = _meta_model(cls, config)
-    plan = read_graph(qmodel, dict(hf.named_modules()))
+    modules = dict(hf.named_modules())
+    if qmodel.meta.get("quantkit_program") is not None and not recorded_modules(qmodel, modules):
+        raise QuantkitError("this loaded artifact has no quantization.json records to name its layers by (a graph "
+                            "read from model.pt2 keeps no module names); export the model quantkit.quantize or "
+                            "quantkit.convert returns, or an artifact directory with its quantization.json")
+    plan = read_graph(qmodel, modules)
     if plan.unsupported and not skip_unsupported:
         u = plan.unsupported[0]
         more = f" and {len(plan.unsupported) - 1} more layers" if len(plan.unsupported) > 1 else ""
@@ -564,7 +571,8 @@ def export_compressed_tensors(qmodel: GraphModule, model_dir: str | os.PathLike,
 
     Args:
         qmodel: the converted model (:func:`quantkit.convert` / :func:`quantkit.quantize`) of an
-            HF model captured with :func:`quantkit.capture`.
+            HF model captured with :func:`quantkit.capture`, or an artifact read back with
+            :func:`quantkit.load` (its layers named by the artifact's ``quantization.json``).
         model_dir: the HF model directory it was quantized from (config, tokenizer).
         out_dir: the directory to create.
         inputs: batches to verify with (default: the capture example).

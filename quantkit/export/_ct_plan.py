@@ -25,7 +25,7 @@ from .._qmath import FLOAT8_DTYPES
 from . import _ct_schemes as schemes
 
 __all__ = ["ActQuant", "WeightQuant", "LinearLayer", "Unsupported", "Plan", "read_graph", "PASSTHROUGH",
-           "ANY_QUANTIZE", "ANY_DEQUANTIZE"]
+           "ANY_QUANTIZE", "ANY_DEQUANTIZE", "recorded_modules"]
 
 aten = torch.ops.aten
 _QD = torch.ops.quantized_decomposed
@@ -235,11 +235,17 @@ class _Reader:
     def __init__(self, gm: GraphModule, hf_modules: dict[str, torch.nn.Module], cached_attention):
         self.gm = gm
         self.cached_attention = cached_attention
+        self.recorded = recorded_modules(gm, hf_modules)
         self.hf = hf_modules
         self.plan = Plan()
         self.weight_dq: dict[Node, WeightQuant] = {}
         self.act_dq: dict[Node, ActQuant] = {}
         self.unknown_dq: dict[Node, str] = {}
+
+    def _mod(self, node: Node) -> str:
+        """The HF module ``node`` runs in: its ``nn_module_stack``, else (a graph loaded with
+        ``quantkit.load``) the module whose weight ``quantization.json`` records for it."""
+        return _module(node) or self.recorded.get(node.name, "")
 
     # --- what each dequantize holds -------------------------------------------------------
     def classify(self) -> None:
@@ -336,7 +342,7 @@ class _Reader:
         for node, what in self.unknown_dq.items():
             what, hint = what if isinstance(what, tuple) else (what, HINT_LATER)
             for user in node.users:
-                module = _module(user)
+                module = self._mod(user)
                 self._unsupported(module or node.name, what, hint)
                 w = self._nf4_float(node)
                 name = self._hf_weight(module, w.shape) if w is not None else None
@@ -346,7 +352,7 @@ class _Reader:
 
     def _linear(self, node: Node) -> bool:
         """Record one aten.linear; True when it is stored int8 with its input quantization."""
-        module = _module(node)
+        module = self._mod(node)
         x, w = node.args[0], node.args[1]
         wq, aq = self.weight_dq.get(w), self.act_dq.get(x)
         if wq is None and aq is None:
@@ -390,7 +396,7 @@ class _Reader:
             for user in dq.users:
                 if user.target == aten.linear.default and user.args[1] is dq:
                     continue
-                module = _module(user)
+                module = self._mod(user)
                 if user.target == aten.embedding.default and user.args[0] is dq and \
                         isinstance(self.hf.get(module), torch.nn.Embedding):
                     if self._dequantize_weight(module, wq):
@@ -408,10 +414,10 @@ class _Reader:
         for dq, aq in self.act_dq.items():
             for user in list(dq.users):
                 if dq in linear_inputs and user.target == aten.linear.default and user.args[0] is dq:
-                    module = _module(user)
+                    module = self._mod(user)
                     if module in self.plan.linears:
                         continue
-                if user.target == _SDPA and dq in user.args[1:3] and _module(user) in self.plan.kv:
+                if user.target == _SDPA and dq in user.args[1:3] and self._mod(user) in self.plan.kv:
                     continue  # a K/V input: the kv_cache_scheme's scales
                 if user.target in _CHOOSE or (user.target == aten.abs.default and user.users and all(
                         u.target == aten.amax.default for u in user.users)):  # amax(abs(x)): a dynamic FP8 scale
@@ -419,9 +425,9 @@ class _Reader:
                 if user.target in PASSTHROUGH and user.users and all(
                         self._same_requant(dq, q) for q in user.users):
                     continue
-                listed = user.target == _SDPA and any(u.module == _module(user) for u in self.plan.unsupported)
+                listed = user.target == _SDPA and any(u.module == self._mod(user) for u in self.plan.unsupported)
                 if not listed and not (user.target == aten.linear.default and user.args[0] is dq):  # else: listed
-                    self._unsupported(_module(user) or user.name, _what(user, "input"), HINT_LINEAR)
+                    self._unsupported(self._mod(user) or user.name, _what(user, "input"), HINT_LINEAR)
                 if dq.name not in self.plan.bypass:
                     self.plan.bypass.append(dq.name)
 
@@ -442,7 +448,7 @@ class _Reader:
         k, v = (self.act_dq.get(a) for a in sdpa.args[1:3])
         if k is None and v is None:
             return
-        module = _module(sdpa)
+        module = self._mod(sdpa)
         if k is None or v is None:
             self._unsupported(module or sdpa.name, "a quantized key or value without the other",
                               "quantize both (FP8Quantizer(kv_cache=...))")
@@ -476,6 +482,27 @@ class _Reader:
         q = torch.ops.quantkit.unpack_int4.default(_attr(self.gm, str(codes.args[0].target)), bool(codes.args[1]))
         return torch.ops.quantkit.dequantize_nf4.default(q, _attr(self.gm, str(table.target)),
                                                          _attr(self.gm, str(scale.target)), dq.args[3], torch.float32)
+
+
+def recorded_modules(gm: GraphModule, hf_modules: dict[str, torch.nn.Module]) -> dict[str, str]:
+    """node name -> HF module, from the weight records of a loaded artifact's ``quantization.json``
+    (``"<weight node> -> <consumer>"``; the weight node is the module path with ``_`` for ``.``).
+    Empty for a graph with ``nn_module_stack`` (nothing needed) or without records."""
+    doc = gm.meta.get("quantkit_recipe")
+    if not isinstance(doc, dict) or not isinstance(doc.get("tensors"), list):
+        return {}
+    by_weight = {f"{name.replace('.', '_')}_weight": name for name, mod in hf_modules.items()
+                 if isinstance(getattr(mod, "weight", None), torch.Tensor)}
+    out: dict[str, str] = {}
+    for rec in doc["tensors"]:
+        if not isinstance(rec, dict) or rec.get("kind") != "weight" or " -> " not in str(rec.get("node", "")):
+            continue
+        weight, consumers = str(rec["node"]).split(" -> ", 1)
+        module = by_weight.get(weight)
+        if module is not None:
+            for consumer in consumers.split(", "):
+                out.setdefault(consumer.strip(), module)
+    return out
 
 
 def read_graph(gm: GraphModule, hf_modules: dict[str, torch.nn.Module],

@@ -64,6 +64,13 @@ def _const(gm: torch.nn.Module, arg):
     return _attr(gm, str(arg.target)) if isinstance(arg, Node) and arg.op == "get_attr" else None
 
 
+def _arg(node: Node, index: int, name: str, default=None):
+    """An op argument by position or keyword; a graph loaded from ``model.pt2`` drops defaults."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -167,14 +174,15 @@ def read_float8_act(gm: GraphModule, dq: Node) -> Float8Act | None:
     q = dq.args[0]
     if not isinstance(q, Node) or q.target != _AO.quantize_affine_float8_non_decomposed.default:
         return None
-    dtype, s = q.args[2], q.args[1]
+    dtype, s = _arg(q, 2, "float8_dtype", torch.float8_e4m3fn), q.args[1]
     scale = _const(gm, s)
     if scale is not None:
         return Float8Act("static", dtype, scale.detach().float())
     if isinstance(s, Node) and s.target == _AO.choose_scale_float8.default:
         block = list(s.args[1])
         if all(b == 1 for b in block[:-1]):
-            return Float8Act("dynamic-token", dtype, floor=float(s.args[4]))
+            floor = _arg(s, 4, "hp_value_lb")
+            return Float8Act("dynamic-token", dtype, floor=None if floor is None else float(floor))
         return None
     if isinstance(s, Node) and s.target == aten.div.Tensor and isinstance(s.args[0], Node) \
             and s.args[0].target == aten.clamp_min.default:
