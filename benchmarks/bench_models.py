@@ -2,7 +2,9 @@
 
 Issue 17 adds bf16 compiled (the float model in bf16, Inductor freezing: a CPU user's real
 alternative) and a ratio column against it; quantkit's ``auto`` int8 runs its float ops in bf16
-on CPUs with AVX-512 BF16 / AMX, and the "float ops fp32" row is the same int8 model without that.
+on CPUs with AVX-512 BF16 / AMX where the model's attention is large enough to gain (the rule in
+``quantkit/lowering/_bf16.py``; a note row says what it chose), and the "float ops fp32" / "float
+ops bf16" rows force each choice on the same int8 model.
 
 Every variant of a model is timed in the same process, interleaved round by round, and
 reported as the median latency and as ratios to fp32 eager, with the SQNR of each int8
@@ -38,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import quantkit  # noqa: E402
 from quantkit import _hf  # noqa: E402
 from quantkit._qmath import sqnr  # noqa: E402
+from quantkit.lowering._onednn import exact_on_this_cpu  # noqa: E402
 from quantkit.quantizers import QuantConfig, W8A8Quantizer  # noqa: E402
 from tests.models import TransformerBlock  # noqa: E402
 
@@ -141,6 +144,17 @@ def _bf16(model):
     return run
 
 
+def _where(e: BaseException) -> str:
+    """' inside torchao (file:line function)' when the innermost frame of ``e`` is torchao's code."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None or "/torchao/" not in tb.tb_frame.f_code.co_filename:
+        return ""
+    path = tb.tb_frame.f_code.co_filename.split("/torchao/", 1)[1]
+    return f" inside torchao ({path}:{tb.tb_lineno} {tb.tb_frame.f_code.co_name}), not this benchmark"
+
+
 def _fresh(inputs):
     return tuple(a.clone() for a in inputs)
 
@@ -158,10 +172,18 @@ def bench(name: str, reps: int) -> list[str]:
         ("quantkit int8 compiled (auto)", lambda: _quantkit(copy.deepcopy(model), inputs, calib, "auto")),
         ("quantkit int8 compiled (auto, float ops fp32)",
          lambda: _quantkit(copy.deepcopy(model), inputs, calib, "auto", float_dtype="fp32")),
-        ("quantkit int8 compiled (onednn forced)", lambda: _quantkit(copy.deepcopy(model), inputs, calib, "onednn")),
+        ("quantkit int8 compiled (auto, float ops bf16)",
+         lambda: _quantkit(copy.deepcopy(model), inputs, calib, "auto", float_dtype="bf16")),
         ("quantkit int8 compiled (7-bit act, auto)",
          lambda: _quantkit(copy.deepcopy(model), inputs, calib, "auto", "affine-uint7")),
     ]
+    if exact_on_this_cpu():
+        # with VNNI/AMX "auto" already takes oneDNN: "onednn forced" compiles the same graph (the
+        # 120.9 vs 102.7 ms between them on MiniLM in an earlier run was run-to-run spread)
+        notes.append("onednn forced: same graph as auto on this CPU (VNNI/AMX), not timed")
+    else:
+        builds.append(("quantkit int8 compiled (onednn forced)",
+                       lambda: _quantkit(copy.deepcopy(model), inputs, calib, "onednn")))
     if name == "block":
         # torchao's X86InductorQuantizer leaves the attention matmuls float (Inductor then
         # matches them into one SDPA kernel); the same coverage in quantkit:
@@ -175,7 +197,12 @@ def bench(name: str, reps: int) -> list[str]:
         try:
             variants[label] = build()
         except Exception as e:  # record and go on: e.g. torchao's quantizer on MiniLM
-            notes.append(f"{label}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            notes.append(f"{label}: failed{_where(e)}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            continue
+        lowering = getattr(getattr(variants[label], "_orig_mod", None), "meta", {}).get("quantkit_lowering")
+        if lowering is not None and "(auto)" in label:
+            notes.append(f"{label}: float ops in {'bf16' if lowering.get('to_bf16') else 'fp32'}; "
+                         + ", ".join(f"{k} {v}" for k, v in lowering.items() if v and not k.startswith("to_")))
     with torch.no_grad():
         ref = _first(model(*_fresh(inputs))).float()
         quality, times = {}, {k: [] for k in variants}
@@ -201,12 +228,12 @@ def bench(name: str, reps: int) -> list[str]:
 
 
 def profile(name: str, reps: int = 3) -> None:
-    """torch.profiler tables (top ops by self CPU time) of fp32 eager and the oneDNN int8 variant."""
+    """torch.profiler tables (top ops by self CPU time) of fp32 eager and quantkit's default int8."""
     from torch.profiler import profile as torch_profile
 
     model, inputs, calib = MODELS[name]()
     variants = {"fp32 eager": model,
-                "quantkit int8 compiled (onednn forced)": _quantkit(copy.deepcopy(model), inputs, calib, "onednn")}
+                "quantkit int8 compiled (auto)": _quantkit(copy.deepcopy(model), inputs, calib, "auto")}
     with torch.no_grad():
         for label, f in variants.items():
             f(*_fresh(inputs))  # compile / warm up outside the profile
@@ -223,7 +250,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None,
                     help="timed rounds per model (default: mlp 20, block 300, minilm 5)")
     ap.add_argument("--profile", action="store_true",
-                    help="instead of timing, print torch.profiler tables of fp32 eager and oneDNN int8")
+                    help="instead of timing, print torch.profiler tables of fp32 eager and quantkit int8 (auto)")
     args = ap.parse_args()
     if args.profile:
         for name in args.models.split(","):

@@ -140,3 +140,23 @@ def test_llama_graph_runs_in_bf16():
     assert out.dtype == torch.float32
     rel = _rel(out, ref)
     assert rel < BF16_REL_TOL, f"Llama bf16 vs reference relative error {rel:.2e}"
+
+
+class _Attention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+@pytest.mark.parametrize("shape, bf16", [((32, 4, 16, 16), False), ((8, 4, 256, 64), True)])
+def test_auto_takes_bf16_only_for_large_attention(monkeypatch, shape, bf16):
+    """float_dtype='auto' rule: bf16 from 2**24 multiply-adds per attention op (measured: the
+    block's 0.5M-MAC attention is slower in bf16, MiniLM's 403M-MAC SDPA faster)."""
+    monkeypatch.setattr(_bf16, "bf16_supported", lambda: True)
+    args = tuple(torch.randn(shape) for _ in range(3))
+    gm = torch.export.export(_Attention(), args).module()
+    b, h, t, d = shape
+    assert [_bf16._macs(n) for n in gm.graph.nodes if n.target in _bf16._ATTENTION_OPS] == [2 * b * h * t * t * d]
+    assert _bf16.resolve_float_dtype("auto", onednn=True, graph=gm) is (torch.bfloat16 if bf16 else torch.float32)
+    assert _bf16.resolve_float_dtype("bf16", onednn=True, graph=gm) is torch.bfloat16  # forcing still forces
+    c, _ = _converted(make_mlp)  # no attention at all: float32
+    assert _bf16.resolve_float_dtype("auto", onednn=True, graph=c) is torch.float32

@@ -28,7 +28,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-__all__ = ["FLOAT_DTYPES", "bf16_supported", "resolve_float_dtype", "float_ops_to_bf16"]
+__all__ = ["FLOAT_DTYPES", "bf16_supported", "bf16_attention_faster", "resolve_float_dtype", "float_ops_to_bf16"]
 
 aten = torch.ops.aten
 _Q = torch.ops.quantized_decomposed
@@ -46,16 +46,76 @@ def bf16_supported() -> bool:
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
-def resolve_float_dtype(float_dtype, *, onednn: bool) -> torch.dtype:
-    """The dtype ``quantkit.compile`` runs the float ops in: ``"auto"`` means bf16 on a CPU with
-    native bf16 when oneDNN int8 runs, else float32."""
+def resolve_float_dtype(float_dtype, *, onednn: bool, graph: GraphModule | None = None) -> torch.dtype:
+    """The dtype ``quantkit.compile`` runs the float ops in.
+
+    ``"auto"`` means bf16 on a CPU with native bf16 when oneDNN int8 runs and, given the
+    ``graph``, only where its float attention (SDPA, float matmuls) measures faster in bf16
+    (``bf16_attention_faster``: large attention, a rule from measurements); else float32.
+    """
     if float_dtype in (torch.bfloat16, torch.float32):
         float_dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}[float_dtype]
     if float_dtype not in FLOAT_DTYPES:
         raise ValueError(f"unknown float_dtype {float_dtype!r}; use one of {list(FLOAT_DTYPES)}")
     if float_dtype == "auto":
-        return torch.bfloat16 if onednn and bf16_supported() else torch.float32
+        if not (onednn and bf16_supported()):
+            return torch.float32
+        return torch.bfloat16 if graph is None or bf16_attention_faster(graph) else torch.float32
     return torch.bfloat16 if float_dtype == "bf16" else torch.float32
+
+
+# ops whose size decides "auto": the float work int8 leaves behind (SDPA was 28% of the int8
+# MiniLM's time, issue 17). Elementwise ops and LayerNorm are fused next to the int8 kernels
+# either way; without attention (the benchmark MLP) bf16 measured no gain (2.33 vs 2.26 ms).
+_ATTENTION_OPS = {aten.scaled_dot_product_attention.default, aten.matmul.default, aten.bmm.default}
+# multiply-adds of one attention op (batch * heads * T * S * head_dim for SDPA) from which bf16
+# pays. Measured, 1 thread, this machine (AVX-512 BF16 + AMX): the transformer block's
+# 32x4x16x16 attention (0.5M MACs) runs 1.6-1.8x *slower* in bf16 (180 vs 330 us) and the whole
+# int8 block 1.3x slower; MiniLM's 32x12x128x32 SDPA (403M MACs) 1.5x faster (48 vs 72 ms) and
+# the int8 model 1.1x faster. Small bf16 kernels lose to their conversion and setup costs.
+# A rule, not a timing at compile time: timings on a shared CPU flip (tried: 2 threads under load).
+_MIN_BF16_MACS = 1 << 24
+
+
+def _shape(node) -> tuple[int, ...] | None:
+    while isinstance(node, Node) and _is_qdq_op(node) and "val" not in node.meta:
+        node = node.args[0]  # a dequantized activation has its quantize's shape
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    dims = []
+    for d in val.shape:
+        try:
+            dims.append(int(d))
+        except Exception:  # a symbolic size: its example value
+            hint = getattr(getattr(d, "node", None), "hint", None)
+            if hint is None:
+                return None
+            dims.append(int(hint))
+    return tuple(dims)
+
+
+def _macs(node: Node) -> int:
+    """Multiply-adds of one attention op from its input shapes (0 when unknown)."""
+    a, b = (_shape(x) for x in node.args[:2])
+    if a is None or b is None or len(a) < 2 or len(b) < 2:
+        return 0
+    batch = 1
+    for d in a[:-2]:
+        batch *= d
+    if node.target is aten.scaled_dot_product_attention.default:  # q [.., T, D] @ k^T, then @ v
+        return 2 * batch * a[-2] * b[-2] * a[-1]
+    return batch * a[-2] * a[-1] * b[-1]
+
+
+def bf16_attention_faster(gm: GraphModule) -> bool:
+    """Whether ``gm``'s float attention is large enough for bf16 to pay (see ``_MIN_BF16_MACS``).
+
+    True when its largest SDPA / float matmul has at least ``_MIN_BF16_MACS`` multiply-adds at
+    the graph's example shapes; a graph without attention stays float32.
+    """
+    sizes = [_macs(n) for n in gm.graph.nodes if n.op == "call_function" and n.target in _ATTENTION_OPS]
+    return max(sizes, default=0) >= _MIN_BF16_MACS
 
 
 def _is_qdq_op(node: Node) -> bool:

@@ -60,7 +60,8 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", float_dtype: s
             Ignored on CUDA.
         float_dtype: what the ops that are not int8 GEMMs (attention, LayerNorm, GELU,
             softmax, adds, q/dq arithmetic) compute in on CPU: ``"auto"`` runs them in bf16
-            when oneDNN int8 runs on a CPU with AVX-512 BF16 or AMX (int8-mixed-bf16, see
+            when oneDNN int8 runs on a CPU with AVX-512 BF16 or AMX and the graph's attention
+            (SDPA, float matmuls) is measured faster in bf16 at its shapes (int8-mixed-bf16, see
             ``lowering/_bf16.py``; outputs keep their float32 dtype, values differ from the
             reference at bf16 level), else float32; ``"bf16"`` forces bf16, ``"fp32"`` keeps
             float32. Ignored on CUDA.
@@ -98,7 +99,7 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", float_dtype: s
     else:
         target = None
     # validates on CUDA too; "auto" is bf16 only where oneDNN int8 runs (not weight-only graphs: no activation q/dq)
-    dtype = resolve_float_dtype(float_dtype, onednn=target is Target.ONEDNN and _has_qdq(converted))
+    dtype = resolve_float_dtype(float_dtype, onednn=target is Target.ONEDNN and _has_qdq(converted), graph=converted)
     gm = copy.deepcopy(converted)
     gm.meta[LOWERING_META_KEY] = lower(gm, target) if target is not None else {}
     if cpu_kernels != "reference" or target is Target.TRITON:  # int4/int8 weight-only linears
