@@ -20,22 +20,12 @@ import os
 import time
 
 import torch
-from torch import nn
+from bench_weight_only_accuracy import SentenceEmbedder  # run as a script: benchmarks/ is on sys.path
 
 import quantkit
 from quantkit import _hf
 from quantkit.accuracy import _rounding
 from quantkit.quantizers import QuantConfig, W8A8Quantizer, WeightOnlyQuantizer
-
-
-class SentenceEmbedder(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, token_type_ids, attention_mask):
-        out = self.model(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
-        return _hf.embed(out, attention_mask)
 
 
 def _quantizer(scheme: str):

@@ -28,12 +28,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import GraphModule, Node
 
 from quantkit.observers._tokens import token_mask
 
 from ._gptq import GPTQConfig
-from ._rounding import RoundedLinear, _is_observer, _modules, _Stop, _StopHere, round_linears
+from ._rounding import RoundedLinear, _Stop, _StopHere, round_linears, without_observers
 
 __all__ = ["RoundedBlock", "plan_gptq", "round_block", "head_values", "run_gptq_blocks", "SequentialGPTQ"]
 
@@ -45,20 +45,9 @@ class RoundedBlock:
     module as they are now), into which Hessian taps are inserted."""
 
     def __init__(self, block) -> None:
-        module = block.module
-        modules = _modules(module)
-        graph = Graph()
-        env: dict[Node, Node] = {}
-        graph.output(graph.graph_copy(module.graph, env))
-        for old, new in env.items():
-            if _is_observer(old, modules):
-                new.replace_all_uses_with(new.args[0])
-        for old, new in list(env.items()):
-            if _is_observer(old, modules):
-                graph.erase_node(new)
-                del env[old]
+        graph, env = without_observers(block.module)
         self.block = block
-        self.gm = GraphModule(module, graph, class_name=f"Rounded{block.index}")
+        self.gm = GraphModule(block.module, graph, class_name=f"Rounded{block.index}")
         # node of the partitioned (prepared) graph -> node of this graph
         self.node_of = {block.origin[old.name]: new for old, new in env.items() if old.name in block.origin}
 

@@ -148,25 +148,30 @@ class _Catch(torch.nn.Module):
             return None
 
 
+def without_observers(gm: GraphModule) -> tuple[torch.fx.Graph, dict[Node, Node]]:
+    """A copy of ``gm``'s graph with every observer call bypassed, and the map from ``gm``'s
+    nodes (observers excepted) to the copy's."""
+    graph = torch.fx.Graph()
+    env: dict[Node, Node] = {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    modules = _modules(gm)
+    for old, new in env.items():
+        if _is_observer(old, modules):
+            new.replace_all_uses_with(new.args[0])
+    for old, new in list(env.items()):
+        if _is_observer(old, modules):
+            graph.erase_node(new)
+            del env[old]
+    return graph, env
+
+
 class Tapped:
     """A view of a prepared model that runs it with every observer bypassed (parameters are
     shared, not copied), into which passes insert taps on chosen nodes."""
 
     def __init__(self, prepared: GraphModule) -> None:
-        graph = torch.fx.Graph()
-        env: dict[Node, Node] = {}
-        out = graph.graph_copy(prepared.graph, env)
-        graph.output(out)
-        graph._codegen = copy.deepcopy(prepared.graph._codegen)
-        modules = _modules(prepared)
-        for old, new in env.items():
-            if _is_observer(old, modules):
-                new.replace_all_uses_with(new.args[0])
-        for old, new in list(env.items()):
-            if _is_observer(old, modules):
-                graph.erase_node(new)
-                del env[old]
-        self.env = env
+        graph, self.env = without_observers(prepared)
         self.gm = GraphModule(prepared, graph)
         self.taps: list[Node] = []
 

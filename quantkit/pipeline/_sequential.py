@@ -39,7 +39,6 @@ from ._convert import (FOLDED_PREFIX, QPARAMS_META_KEY, QUANTIZE_OPS, _SUPPORTED
                        _remove_unused_attributes, convert_in_place)
 from ._convert_fp8 import is_float8_observer
 from ._convert_groupwise import is_groupwise
-from ._inputs import as_args_kwargs
 from ._meta_capture import CheckpointIndex, capture_without_weights, empty_model, index_checkpoint
 from ._partition import Block, partition, run_block
 from ._prepare import is_observer_node, prepare_in_place
@@ -434,17 +433,9 @@ class _Run:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def _head_values(self, batch) -> dict:
-        import torch.utils._pytree as pytree
-        from torch.export._tree_utils import reorder_kwargs
+        from ..accuracy._gptq_blocks import head_values
 
-        args, kwargs = as_args_kwargs(batch)
-        in_spec = self.prepared.graph._codegen.pytree_info.in_spec
-        leaves, _ = pytree.tree_flatten((args, reorder_kwargs(kwargs, in_spec)))
-        names = [n.name for n in self.prepared.graph.nodes if n.op == "placeholder"]
-        if len(leaves) != len(names):
-            raise QuantkitError(f"a calibration batch has {len(leaves)} inputs, the captured model takes "
-                                f"{len(names)}; give every batch the first batch's keys")
-        return dict(zip(names, leaves))
+        return head_values(self.prepared, batch)
 
     def _load_weights(self, block: Block) -> None:
         """Read the block's checkpoint tensors (memory-mapped, closed again) into its module."""
