@@ -277,55 +277,6 @@ def _is_embedding_tie(untied: list) -> bool:
     return all(any(n.endswith("lm_head.weight") or "embed" in n for n in group) for group in untied)
 
 
-def _main_tensor(out) -> torch.Tensor:
-    keys = list(out.keys()) if hasattr(out, "keys") else []
-    for k in ("logits", "last_hidden_state"):
-        if k in keys and isinstance(out[k], torch.Tensor):
-            return out[k]
-    values = [out[k] for k in keys] if keys else (list(out) if isinstance(out, (tuple, list)) else [out])
-    for v in values:
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            return v
-    raise QuantkitError(f"the model returned no float tensor ({type(out).__name__}) to compare")
-
-
-def _rows(out, batch) -> torch.Tensor:
-    """Rows compared by cosine, as quantkit's reports compare: one per real token for logits,
-    a mean-pooled sentence embedding for other [batch, tokens, ...] outputs with an attention
-    mask, else one per sample."""
-    t = _main_tensor(out)
-    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-    if mask is not None and t.dim() >= 3 and tuple(mask.shape) == tuple(t.shape[:2]):
-        real = mask.bool()
-        keys = list(out.keys()) if hasattr(out, "keys") else []
-        if "logits" in keys:
-            return t[real].reshape(int(real.sum()), -1).double()
-        m = real.unsqueeze(-1).to(torch.float64)
-        return (t.double().reshape(*t.shape[:2], -1) * m).sum(1) / m.sum(1).clamp(min=1)
-    return t.reshape(t.shape[0], -1).double()
-
-
-def _compare(reference, candidate, batches: list) -> dict:
-    cos = []
-    with torch.no_grad():
-        for batch in batches:
-            ref = _rows(call_model(reference, batch), batch)
-            got = _rows(call_model(candidate, batch), batch)
-            if ref.shape != got.shape:
-                raise QuantkitError(f"transformers' model of the export returns shape {tuple(got.shape)} where "
-                                    f"quantkit's returns {tuple(ref.shape)}")
-            cos.append(torch.nn.functional.cosine_similarity(ref, got, dim=-1))
-    c = torch.cat(cos)
-    if not bool(torch.isfinite(c).all()):
-        raise QuantkitError("transformers' model of the export produced NaN or inf where quantkit's model did not")
-    return {"rows": int(c.numel()), "min_cosine": float(c.min()), "mean_cosine": float(c.mean())}
-
-
-def _sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
-    noise = float((ref.double() - got.double()).pow(2).sum())
-    return math.inf if noise == 0 else 10 * math.log10(max(float(ref.double().pow(2).sum()), 1e-300) / noise)
-
-
 def _layer_check(model, plan: Plan, batch) -> dict:
     """Run the loaded model once, feeding each int8 linear's own input to quantkit's math too;
     returns the worst per-layer SQNR and its layer."""
@@ -348,12 +299,12 @@ def _layer_check(model, plan: Plan, batch) -> dict:
             w = layer.weight.dequantized(x.dtype).to(x.device)
             ref = torch.nn.functional.linear(x if layer.act is None else layer.act.fake_quant(x), w, bias)
             if layer.act is None or layer.act.kind == "static":
-                db = _sqnr_db(ref, out)
+                db = checks.sqnr_db(ref, out)
                 if db < worst:
                     worst, where = db, name
             else:  # how much further from float the consumer's layer is than quantkit's
                 exact = torch.nn.functional.linear(x, w, bias)
-                m = _sqnr_db(exact, ref) - _sqnr_db(exact, out)
+                m = checks.sqnr_db(exact, ref) - checks.sqnr_db(exact, out)
                 if m > margin:
                     margin, margin_at = m, name
     return {"layers": len(seen), "worst_layer_sqnr_db": None if worst == math.inf else round(worst, 2),
@@ -439,7 +390,7 @@ def _verify(directory: Path, cls, plan: Plan, qmodel: GraphModule, batches: list
     layers["loaded_with"] = "CompressedTensorsConfig(dequantize=True)" if dense else "default (compressed)"
     if plan.kv:  # the scales equal quantkit's in the files (checked above); applied by transformers or not
         layers["kv_cache"] = {"attentions": len(plan.kv), "scales_equal": True, "applied_by_transformers": kv_applied}
-    result = {**layers, **_compare(reference, model, batches), "min_layer_sqnr_db": _MIN_LAYER_SQNR_DB,
+    result = {**layers, **checks.compare(reference, model, batches), "min_layer_sqnr_db": _MIN_LAYER_SQNR_DB,
               "max_dynamic_margin_db": _MAX_DYNAMIC_MARGIN_DB, "min_mean_cosine": _MIN_MEAN_COSINE}
     exact = not any(isinstance(layer.act, ActQuant) for layer in plan.linears.values())
     if exact:

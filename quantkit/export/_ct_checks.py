@@ -1,6 +1,6 @@
-"""Checks of a written compressed-tensors checkpoint that do not go through the loaded model's
-compressed tensors: the files read back, and the two places where transformers 5.24 with
-compressed-tensors 0.20 does not hold what the checkpoint stores.
+"""Checks of a written compressed-tensors checkpoint besides the loaded model's own tensors: the
+files read back, the model outputs compared (cosine per row, SQNR per layer), and the two places
+where transformers 5.24 with compressed-tensors 0.20 does not hold what the checkpoint stores.
 
 - Asymmetric ``pack-quantized`` weights: the checkpoint stores zero points packed into int32
   along the output channels (what compressed-tensors' own compressor writes and vLLM reads),
@@ -16,14 +16,17 @@ compressed-tensors 0.20 does not hold what the checkpoint stores.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 
 from .._errors import QuantkitError
+from ..pipeline._inputs import call_model
 from ._ct_schemes import GroupWeight, is_float8, layer_tensors
 
-__all__ = ["dense_load", "kv_applied", "check_files", "check_dense", "stored_on_modules", "same"]
+__all__ = ["dense_load", "kv_applied", "check_files", "check_dense", "stored_on_modules", "same", "compare",
+           "sqnr_db"]
 
 
 def dense_load(plan) -> bool:
@@ -80,3 +83,56 @@ def stored_on_modules(plan, with_kv: bool) -> list:
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal dtype, shape and bits (float8 compared as bytes)."""
     return _same(a, b)
+
+
+# --- comparing outputs ----------------------------------------------------------------------
+
+def _main_tensor(out) -> torch.Tensor:
+    keys = list(out.keys()) if hasattr(out, "keys") else []
+    for k in ("logits", "last_hidden_state"):
+        if k in keys and isinstance(out[k], torch.Tensor):
+            return out[k]
+    values = [out[k] for k in keys] if keys else (list(out) if isinstance(out, (tuple, list)) else [out])
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v
+    raise QuantkitError(f"the model returned no float tensor ({type(out).__name__}) to compare")
+
+
+def _rows(out, batch) -> torch.Tensor:
+    """Rows compared by cosine, as quantkit's reports compare: one per real token for logits,
+    a mean-pooled sentence embedding for other [batch, tokens, ...] outputs with an attention
+    mask, else one per sample."""
+    t = _main_tensor(out)
+    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+    if mask is not None and t.dim() >= 3 and tuple(mask.shape) == tuple(t.shape[:2]):
+        real = mask.bool()
+        keys = list(out.keys()) if hasattr(out, "keys") else []
+        if "logits" in keys:
+            return t[real].reshape(int(real.sum()), -1).double()
+        m = real.unsqueeze(-1).to(torch.float64)
+        return (t.double().reshape(*t.shape[:2], -1) * m).sum(1) / m.sum(1).clamp(min=1)
+    return t.reshape(t.shape[0], -1).double()
+
+
+def compare(reference, candidate, batches: list) -> dict:
+    """Cosines of ``reference``'s and ``candidate``'s outputs, row by row (:func:`_rows`)."""
+    cos = []
+    with torch.no_grad():
+        for batch in batches:
+            ref = _rows(call_model(reference, batch), batch)
+            got = _rows(call_model(candidate, batch), batch)
+            if ref.shape != got.shape:
+                raise QuantkitError(f"transformers' model of the export returns shape {tuple(got.shape)} where "
+                                    f"quantkit's returns {tuple(ref.shape)}")
+            cos.append(torch.nn.functional.cosine_similarity(ref, got, dim=-1))
+    c = torch.cat(cos)
+    if not bool(torch.isfinite(c).all()):
+        raise QuantkitError("transformers' model of the export produced NaN or inf where quantkit's model did not")
+    return {"rows": int(c.numel()), "min_cosine": float(c.min()), "mean_cosine": float(c.mean())}
+
+
+def sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
+    """SQNR of ``got`` against ``ref`` in dB, float64 (inf when equal)."""
+    noise = float((ref.double() - got.double()).pow(2).sum())
+    return math.inf if noise == 0 else 10 * math.log10(max(float(ref.double().pow(2).sum()), 1e-300) / noise)
