@@ -17,7 +17,7 @@ output into its input tensor (the residual add is done in place on the graph inp
 silently fed every later variant a different input (measured: quantkit's block at 13 dB and
 1.8 ms after torchao's run, 49.8 dB alone). A variant that mutates its inputs is noted.
 
-    python benchmarks/bench_models.py [--models mlp,block,minilm] [--reps N] [--profile]
+    python benchmarks/bench_models.py [--models mlp,block,minilm] [--reps N] [--threads N] [--profile]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import argparse
 import copy
 import functools
 import math
+import random
 import statistics
 import subprocess
 import sys
@@ -201,8 +202,9 @@ def bench(name: str, reps: int) -> list[str]:
             continue
         lowering = getattr(getattr(variants[label], "_orig_mod", None), "meta", {}).get("quantkit_lowering")
         if lowering is not None and "(auto)" in label:
-            notes.append(f"{label}: float ops in {'bf16' if lowering.get('to_bf16') else 'fp32'}; "
-                         + ", ".join(f"{k} {v}" for k, v in lowering.items() if v and not k.startswith("to_")))
+            counts = ", ".join(f"{k} {v}" for k, v in lowering.items() if v and not k.startswith("to_"))
+            notes.append(f"{label}: float ops in {'bf16' if lowering.get('to_bf16') else 'fp32'}"
+                         + (f"; {counts}" if counts else ""))
     with torch.no_grad():
         ref = _first(model(*_fresh(inputs))).float()
         quality, times = {}, {k: [] for k in variants}
@@ -214,8 +216,13 @@ def bench(name: str, reps: int) -> list[str]:
                 quality[k] += f" / cos {_hf.cosine(ref, out).mean():.4f}"
             if any(not torch.equal(a, b) for a, b in zip(args, inputs)):
                 notes.append(f"{k}: writes into its input tensors (each call gets a fresh copy)")
-        for _ in range(reps):
-            for k, f in variants.items():
+        order = list(variants)
+        for r in range(reps):
+            # a new order every round: a fixed order gave every other variant a constant penalty
+            # (block, 2 threads: 9 ms at even positions vs 2 ms at odd ones for the same graph)
+            random.Random(r).shuffle(order)
+            for k in order:
+                f = variants[k]
                 args = _fresh(inputs)
                 t = time.perf_counter()
                 f(*args)
@@ -251,7 +258,11 @@ def main() -> None:
                     help="timed rounds per model (default: mlp 20, block 300, minilm 5)")
     ap.add_argument("--profile", action="store_true",
                     help="instead of timing, print torch.profiler tables of fp32 eager and quantkit int8 (auto)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads(N) first (on a shared machine 1 thread keeps ratios stable)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.profile:
         for name in args.models.split(","):
             profile(name)
