@@ -137,6 +137,8 @@ def fuse_sibling_linears(gm: GraphModule) -> int:
         if parts is None:
             continue
         x, w, s, z, b, wrange = parts
+        if w.dtype != torch.int8 or x.args[5] not in _INT_DTYPES:  # int8 GEMMs only (not FP8)
+            continue
         key = (x.args[0], tuple(x.args[1:]), w.shape[1:], w.dtype, wrange, b is None)
         groups.setdefault(key, []).append((lin, parts))
     old_attrs = set()
