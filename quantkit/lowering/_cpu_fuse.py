@@ -171,6 +171,9 @@ def fuse_sibling_linears(gm: GraphModule) -> int:
                 if len(lin.args) > 2 and isinstance(lin.args[2], Node):
                     old_attrs.add(lin.args[2].target)
                 lin.replace_all_uses_with(sl)
+                for user in sl.users:  # a slice is not contiguous: a view merging its last dim would fail
+                    if user.target is aten.view.default:
+                        user.target = aten.reshape.default
         val = first.meta.get("val")
         if isinstance(val, torch.Tensor):
             try:
