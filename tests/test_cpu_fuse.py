@@ -11,6 +11,7 @@ from torch._inductor.utils import run_and_get_code
 
 import quantkit
 from quantkit.lowering import _cpu_fuse, _onednn, lower
+from quantkit.lowering._match import attr
 from quantkit.quantizers import QuantConfig, W8A8Quantizer
 
 Q = torch.ops.quantized_decomposed
@@ -63,7 +64,7 @@ def test_lowering_collapses_requantize_chains_and_fuses_qkv_exactly(activation):
     assert _count(c, aten.linear.default) == 4 and _count(gm, aten.linear.default) == 2
     assert _count(gm, aten.slice.Tensor) == 3
     fused = next(n for n in gm.graph.nodes if n.target is aten.linear.default)
-    assert _cpu_fuse._attr(gm, fused.args[1].args[0]).shape == (96, 32)
+    assert attr(gm, fused.args[1].args[0].target).shape == (96, 32)
     # every int8 weight is stored once: the three originals are gone
     assert sum(b.dtype == torch.int8 for b in gm.buffers()) == 2
     # the out projection now dequantizes the reshaped integers directly

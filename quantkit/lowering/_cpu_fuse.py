@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
+from ._match import attr
+
 __all__ = ["collapse_requantize_chains", "fuse_sibling_linears"]
 
 aten = torch.ops.aten
@@ -88,13 +90,6 @@ def collapse_requantize_chains(gm: GraphModule) -> int:
     return count
 
 
-def _attr(gm: GraphModule, node: Node):
-    obj = gm
-    for atom in node.target.split("."):
-        obj = getattr(obj, atom)
-    return obj
-
-
 def _linear_parts(gm: GraphModule, lin: Node):
     """(activation dq, weight int8, scale, zero point, bias tensor or None, weight dq args) or None."""
     if len(lin.args) < 2:
@@ -110,7 +105,7 @@ def _linear_parts(gm: GraphModule, lin: Node):
         return None
     if bias is not None and not (isinstance(bias, Node) and bias.op == "get_attr"):
         return None
-    return x, _attr(gm, w), _attr(gm, s), _attr(gm, z), (None if bias is None else _attr(gm, bias)), tuple(wdq.args[4:])
+    return x, attr(gm, w.target), attr(gm, s.target), attr(gm, z.target), (None if bias is None else attr(gm, bias.target)), tuple(wdq.args[4:])
 
 
 def _unique_name(gm: GraphModule, base: str) -> str:
