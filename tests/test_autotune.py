@@ -7,6 +7,7 @@ benchmarks/, not in unit tests).
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -247,3 +248,20 @@ def test_latency_cache_is_keyed_by_graph_structure(tmp_path, monkeypatch):
     # per-token has no int8 kernel on CPU: its bound is the compiled fp32 model's latency
     assert other.kind("per-token", build=lambda: pytest.fail("nothing to build")) == 7.0
     assert any(k.endswith("|fp32") for k in json.loads((tmp_path / "latency.json").read_text()))
+
+
+def test_latency_cache_key_changes_with_the_lowering_source(tmp_path, monkeypatch):
+    """A latency measured before quantkit's lowering changed is not reused: the key digests its source."""
+    import shutil
+
+    from quantkit import lowering
+    from quantkit.accuracy import _latency
+
+    src = Path(lowering.__file__).parent
+    copy_dir = tmp_path / "lowering"
+    shutil.copytree(src, copy_dir, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(lowering, "__file__", str(copy_dir / "__init__.py"))
+    before = _latency._lowering_fingerprint.__wrapped__()
+    assert before == _latency._lowering_fingerprint()  # the copy digests like the installed source
+    (copy_dir / "_lower.py").write_text((copy_dir / "_lower.py").read_text() + "\n# a new pass\n")
+    assert _latency._lowering_fingerprint.__wrapped__() != before

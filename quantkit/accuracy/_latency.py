@@ -11,6 +11,7 @@ to measure again. Numbers measured on a busy machine stay until then.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -38,6 +39,19 @@ NO_INT8_KERNEL_ON_CPU = ("per-token", "dynamic")
 def cache_path() -> Path:
     root = os.environ.get("QUANTKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "quantkit")
     return Path(root) / "latency.json"
+
+
+@functools.cache
+def _lowering_fingerprint() -> str:
+    """A digest of quantkit's lowering source: a latency measured before the lowering changed (an
+    upgrade, or a new fusion pass) is not reused for the new code."""
+    from quantkit import lowering
+
+    h = hashlib.sha256()
+    for f in sorted(Path(lowering.__file__).parent.glob("*.py")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def structure_key(gm: GraphModule) -> str:
@@ -110,7 +124,8 @@ class Meter:
         self.inputs = example_inputs
         self.cache = cache
         self.base = "|".join([structure_key(float_graph), _shapes(example_inputs), torch.__version__,
-                              platform.processor() or platform.machine(), str(torch.get_num_threads())])
+                              platform.processor() or platform.machine(), str(torch.get_num_threads()),
+                              _lowering_fingerprint()])
         self.kinds: dict[str, float] = {}  # lowering kind -> latency measured or recalled this run
         self.measured = 0  # compilations done (not recalled from the cache)
 
