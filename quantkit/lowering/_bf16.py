@@ -42,8 +42,9 @@ _QUANT_READS_BF16 = {_Q.quantize_per_tensor.default}
 
 def bf16_supported() -> bool:
     """Whether this CPU has native bf16 arithmetic (AVX-512 BF16 or AMX-BF16)."""
-    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
-    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+    from ._cpu_isa import cpu_has
+
+    return cpu_has("avx512_bf16") or cpu_has("amx_bf16")
 
 
 def resolve_float_dtype(float_dtype, *, onednn: bool, graph: GraphModule | None = None) -> torch.dtype:

@@ -19,6 +19,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .._qmath import default_qrange
+from ._cpu_isa import cpu_has
 
 
 __all__ = ["int8_activations_to_uint8", "clamp_reduced_range_quantizes", "exact_on_this_cpu", "exact_for_graph"]
@@ -45,8 +46,7 @@ def exact_on_this_cpu() -> bool:
     an AVX2-only CPU the MLP test model drops from 37 dB to 23 dB SQNR. oneDNN documents this
     as the "int8 saturation" nuance and expects 7-bit data there.
     """
-    caps = torch.cpu.get_capabilities()
-    return any(caps.get(k, False) for k in ("avx512_vnni", "avx_vnni", "amx_int8"))
+    return any(cpu_has(k) for k in ("avx512_vnni", "avx_vnni", "amx_int8"))
 
 
 def exact_for_graph(gm: GraphModule) -> bool:
