@@ -66,6 +66,18 @@ _AMPERE_CONFIGS = [
 
 
 @triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """The (row, column) tile of program ``pid`` in grouped ordering: GROUP_M row tiles share the
+    same weight columns while they are in L2 (the GEMM kernels' common launch order)."""
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    group_size = tl.minimum(grid_m - first_m, GROUP_M)
+    return first_m + (pid % width) % group_size, (pid % width) // group_size
+
+
+@triton.jit
 def _round_half_even(x):
     # torch.round rounds half to even; libdevice.rint is not available in the interpreter
     f = tl.floor(x)
@@ -91,15 +103,7 @@ def _int8_gemm_kernel(
 ):
     pid = tl.program_id(0)
     batch = tl.program_id(1)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    # grouped ordering: GROUP_M row-tiles share the same B columns while they are in L2
-    width = GROUP_M * grid_n
-    group_id = pid // width
-    first_m = group_id * GROUP_M
-    group_size = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_size
-    pid_n = (pid % width) // group_size
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
