@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["MLP", "SmallCNN", "TransformerBlock", "make_mlp", "make_cnn", "make_transformer"]
+__all__ = ["MLP", "SmallCNN", "TransformerBlock", "TwoBlockNet", "make_mlp", "make_cnn", "make_transformer"]
 
 
 class MLP(nn.Module):
@@ -35,6 +35,30 @@ class _Block(nn.Module):
         y = torch.relu(self.bn1(self.conv1(x)))
         y = self.bn2(self.conv2(y))
         return torch.relu(x + y)
+
+
+class _LinearBlock(nn.Module):
+    """Pre-norm residual MLP: a chain of these is what GPTQ's block partition finds."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(self.ln(x))))
+
+
+class TwoBlockNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_LinearBlock(), _LinearBlock()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
 
 
 class SmallCNN(nn.Module):

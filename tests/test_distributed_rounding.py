@@ -25,37 +25,16 @@ from quantkit.accuracy import _rounding
 from quantkit.observers import HessianObserver
 from quantkit.observers._sync import sync_observers
 from quantkit.quantizers import QuantConfig, W8A8Quantizer, WeightOnlyQuantizer
-from tests.test_distributed import WORLD, _torchrun, run_ranks
+from tests.models import TwoBlockNet
+from tests.test_distributed import WORLD, _one_thread, _torchrun, run_ranks  # noqa: F401 (_one_thread: autouse fixture)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not hasattr(os, "fork"),
                                 reason="needs torch.distributed (gloo) and fork")
 
 
-class _Block(torch.nn.Module):
-    def __init__(self, d=32):
-        super().__init__()
-        self.ln = torch.nn.LayerNorm(d)
-        self.fc1 = torch.nn.Linear(d, 2 * d)
-        self.fc2 = torch.nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return x + self.fc2(torch.relu(self.fc1(self.ln(x))))
-
-
-class _Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = torch.nn.ModuleList([_Block(), _Block()])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 def _model_and_data():
     torch.manual_seed(0)
-    model = _Net().eval()
+    model = TwoBlockNet().eval()
     with torch.no_grad():
         model.layers[0].ln.weight[5] = 20.0  # an outlier channel for AWQ and SmoothQuant
     g = torch.Generator().manual_seed(1)
@@ -156,13 +135,6 @@ def ranks(tmp_path_factory):
     return run_ranks(work, tmp_path_factory.mktemp("rounding_ranks"))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One thread, as on the ranks: GEMMs may round differently with another thread count."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _assert_state_equal(ref: dict, got: dict, what: str) -> None:

@@ -15,33 +15,12 @@ from quantkit.accuracy import _rounding
 from quantkit.accuracy._gptq import gptq_quantize
 from quantkit.accuracy._wscheme import WeightScheme
 from quantkit.quantizers import QuantConfig, W8A8Quantizer, WeightOnlyQuantizer
-
-
-class _Block(torch.nn.Module):
-    def __init__(self, d=32):
-        super().__init__()
-        self.ln = torch.nn.LayerNorm(d)
-        self.fc1 = torch.nn.Linear(d, 2 * d)
-        self.fc2 = torch.nn.Linear(2 * d, d)
-
-    def forward(self, x):
-        return x + self.fc2(torch.relu(self.fc1(self.ln(x))))
-
-
-class _Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = torch.nn.ModuleList([_Block(), _Block()])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
+from tests.models import TwoBlockNet
 
 
 def _setup(seed=0):
     torch.manual_seed(seed)
-    model = _Net().eval()
+    model = TwoBlockNet().eval()
     x = torch.randn(8, 12, 32)
     x[..., :3] *= 5  # a few strong input channels
     return model, x, [x[i:i + 2] for i in range(0, 8, 2)]
@@ -120,7 +99,7 @@ def test_gptq_is_sequential():
 def test_awq_beats_rtn_on_planted_outliers():
     """One input channel 30x larger than the others: AWQ protects it, RTN does not."""
     torch.manual_seed(0)
-    model = _Net().eval()
+    model = TwoBlockNet().eval()
     x = torch.randn(8, 12, 32)
     with torch.no_grad():
         model.layers[0].ln.weight[5] = 30.0  # fc1's input channel 5 is an outlier
