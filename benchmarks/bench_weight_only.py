@@ -83,38 +83,54 @@ def bench_gemm(args) -> None:
     model, converted = _int4_linear(n, k, g)
     from quantkit.lowering._weight_only import lower_weight_only
 
-    lowered = copy.deepcopy(converted)
-    counts = lower_weight_only(lowered, "cpu")
+    from quantkit.kernels import int4_cpu_available, int4_linear_cpu
+
+    lowered = copy.deepcopy(converted)  # aten's kernel, for its packed weights and the eager lowered graph
+    counts = lower_weight_only(lowered, "cpu", int4_kernel="aten")
     assert counts["weight_only_int4"] == 1, counts
-    compiled = quantkit.compile(converted)
+    compiled = quantkit.compile(converted)  # quantkit's int4 kernel where this CPU runs it
     packed = next(b for name, b in lowered.named_buffers() if name.startswith("_qk_int4pack_"))
     sz = next(b for name, b in lowered.named_buffers() if name.startswith("_qk_int4_scale_zero_"))
+    ours = None
+    if int4_cpu_available():
+        ours = copy.deepcopy(converted)
+        lower_weight_only(ours, "cpu", int4_kernel="quantkit")
+        qk_packed = next(b for name, b in ours.named_buffers() if name.startswith("_qk_int4cpu_"))
+        qk_sb = next(b for name, b in ours.named_buffers() if name.startswith("_qk_int4cpu_scale_bias_"))
+        qk_bytes = qk_packed.numel() * 4 + qk_sb.numel() * 4
     w32 = model[0].weight.detach()
     w16 = w32.bfloat16()
     sz32 = sz.float()
     int4_bytes = packed.numel() + sz.numel() * sz.element_size()
-    for m in (1, 8):
+    for m in args.tokens:
         x = torch.randn(m, k)
         xb = x.bfloat16()
         variants = {
             "fp32 eager (F.linear)": lambda: torch.nn.functional.linear(x, w32),
             "bf16 eager (F.linear)": lambda: torch.nn.functional.linear(xb, w16),
-            "int4 g128 kernel (bf16 in/out)": lambda: aten._weight_int4pack_mm_for_cpu(xb, packed, g, sz),
-            "int4 g128 lowered graph (fp32 in/out, eager)": lambda: lowered(x),
+            "int4 g128 aten kernel (bf16 in/out)": lambda: aten._weight_int4pack_mm_for_cpu(xb, packed, g, sz),
+            "int4 g128 aten lowered graph (fp32 in/out, eager)": lambda: lowered(x),
             "int4 g128 quantkit.compile": lambda: compiled(x),
         }
+        if ours is not None:
+            variants["int4 g128 quantkit kernel (fp32 in/out)"] = lambda: int4_linear_cpu(x, qk_packed, qk_sb, g)
         if args.diagnose:  # slow variants: aten's fp32-activation path, the unlowered q/dq graph
             variants["int4 g128 kernel (fp32 in/out, fp32 scales)"] = lambda: aten._weight_int4pack_mm_for_cpu(
                 x, packed, g, sz32)
             variants["int4 g128 q/dq reference (eager)"] = lambda: converted(x)
         nbytes = {name: int4_bytes for name in variants if name.startswith("int4") and "q/dq" not in name}
         nbytes.update({"fp32 eager (F.linear)": w32.numel() * 4, "bf16 eager (F.linear)": w16.numel() * 2})
+        if ours is not None:
+            nbytes.update({"int4 g128 quantkit kernel (fp32 in/out)": qk_bytes, "int4 g128 quantkit.compile": qk_bytes})
         times = _timed_rounds(variants, args.rounds, args.calls)
         _table(times, "fp32 eager (F.linear)",
                f"4096x4096 linear, M = {m} (x @ W^T, weights 64 MiB fp32 / 32 MiB bf16 / 8.5 MiB int4 + scales)",
                nbytes)
         bf16 = "bf16 eager (F.linear)"
-        for name in ("int4 g128 kernel (bf16 in/out)", "int4 g128 quantkit.compile"):
+        for name in ("int4 g128 aten kernel (bf16 in/out)", "int4 g128 quantkit kernel (fp32 in/out)",
+                     "int4 g128 quantkit.compile"):
+            if name not in times:
+                continue
             print(f"{name}: {_ratio(times, 'fp32 eager (F.linear)', name):.2f}x fp32 eager, "
                   f"{_ratio(times, bf16, name):.2f}x bf16 eager" + ("  (issue 14 targets at M = 1: >= 6x, >= 3x)"
                                                                    if m == 1 else ""))
@@ -232,6 +248,8 @@ def main(argv=None) -> None:
                          "machine; meaningful with --threads 1 only")
     ap.add_argument("--algorithms", default="rtn", help="MiniLM columns, comma-separated: rtn, gptq, awq")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--tokens", type=lambda v: [int(t) for t in v.split(",")], default=[1, 8],
+                    help="--gemm: rows M, comma-separated (default 1,8)")
     ap.add_argument("--calls", type=int, default=8)
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     args = ap.parse_args(argv)

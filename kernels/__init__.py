@@ -4,12 +4,15 @@ Each kernel is a ``torch.library`` op (``torch.ops.quantkit.*``) with a fake imp
 so ``torch.compile`` and Inductor see it: ``int8_linear`` (int8 GEMM with fused
 scale / zero point / bias / activation / requantize epilogue), ``int8_bmm`` (its batched
 variant for attention), ``quantize_per_token`` (fused dynamic quantization), ``w4a16_linear``
-(int4 weight-only) and ``fp8_linear`` (E4M3 x E4M3 GEMM, scales in the epilogue).
+(int4 weight-only) and ``fp8_linear`` (E4M3 x E4M3 GEMM, scales in the epilogue); on CPU,
+``int4_linear_cpu`` (int4 weight-only, AVX512-VNNI C++ compiled through Inductor's code cache).
 """
 
 from ._fp8_gemm import FP8_OUT_DTYPES, fp8_linear
+from ._int4_cpu import available as int4_cpu_available
+from ._int4_cpu import int4_linear_cpu, pack_int4_cpu
 from ._int8_gemm import ACTIVATIONS, OUT_DTYPES, int8_bmm, int8_linear
 from ._quant import DECOMPOSED, quantize_per_token
 from ._w4a16 import w4a16_linear
 
-__all__ = ["int8_linear", "w4a16_linear", "fp8_linear", "FP8_OUT_DTYPES", "int8_bmm", "quantize_per_token", "DECOMPOSED", "ACTIVATIONS", "OUT_DTYPES"]
+__all__ = ["int8_linear", "w4a16_linear", "int4_linear_cpu", "pack_int4_cpu", "int4_cpu_available", "fp8_linear", "FP8_OUT_DTYPES", "int8_bmm", "quantize_per_token", "DECOMPOSED", "ACTIVATIONS", "OUT_DTYPES"]

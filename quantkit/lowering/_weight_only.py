@@ -1,14 +1,18 @@
 """Lowering of weight-only layers: ``linear(x, dequantize_per_channel_group(q_w))`` to weight-only GEMMs.
 
-CPU (torch 2.13 aten kernels):
+CPU:
 
-* int4, group size 32/64/128/256, ``N % 16 == 0`` → ``aten._weight_int4pack_mm_for_cpu`` on a weight
+* int4, ``N % 16 == 0``, group size a multiple of 8, on an AVX512-VNNI CPU → quantkit's own
+  ``quantkit::int4_linear_cpu`` (``kernels/_int4_cpu.py``): 1.5-2x aten's kernel at 1-16 tokens,
+  activations kept at ~15 bits instead of bf16's 8, float32 in and out (no casts around it).
+* int4 elsewhere (or ``int4_kernel="aten"``), group size 32/64/128/256, ``N % 16 == 0`` →
+  ``aten._weight_int4pack_mm_for_cpu`` on a weight
   repacked by ``aten._convert_weight_to_int4pack_for_cpu``. Its dequantization is
   ``(q_u4 - 8) * scale + zero`` with a float ``zero`` per group; ours is ``(q - zero_point) * scale``,
   so ``zero = (8 - zero_point_u4) * scale`` (``q_u4``: the value shifted to [0, 15]).
 * int8, one group per output row (per channel), symmetric → ``aten._weight_int8pack_mm``.
 
-Both kernels run bf16 activations (measured on this machine's AVX-512 CPU: their fp32-activation
+Both aten kernels run bf16 activations (measured on this machine's AVX-512 CPU: their fp32-activation
 paths are 10-100x slower than bf16, see BENCHMARKS.md), so a float32 model's activations are cast
 to bf16 at the GEMM and its output cast back: W4A16 numerics, ~50 dB against the float32 q/dq
 reference. Anything else (NF4, other group sizes or shapes, asymmetric int8) keeps its reference
@@ -29,11 +33,12 @@ from torch.fx import GraphModule, Node
 from ._match import attr as _attr
 from ._triton import _buffer as _new_attr  # a uniquely named buffer and its get_attr before a node
 
-__all__ = ["lower_weight_only", "WeightOnlyMatch", "match_weight_only", "has_quant_ops"]
+__all__ = ["lower_weight_only", "WeightOnlyMatch", "match_weight_only", "has_quant_ops", "INT4_KERNELS"]
 
 aten = torch.ops.aten
 _CPU_GROUPS = (32, 64, 128, 256)  # aten._weight_int4pack_mm_for_cpu accepts these group sizes only
 _COMPUTE_DTYPE = torch.bfloat16
+INT4_KERNELS = ("auto", "quantkit", "aten")  # CPU int4: ours where the CPU allows it, or aten's
 
 
 @dataclass
@@ -107,9 +112,38 @@ def _emit_gemm(gm: GraphModule, m: WeightOnlyMatch, op, args: tuple, n: int) -> 
     return y
 
 
-def _lower_cpu(gm: GraphModule, m: WeightOnlyMatch) -> Optional[Node]:
+def _lower_cpu_quantkit(gm: GraphModule, m: WeightOnlyMatch) -> Optional[Node]:
+    """``quantkit::int4_linear_cpu`` on the weight repacked for it, float32/bf16 activations as they are."""
+    from quantkit.kernels._int4_cpu import BLOCK_N, pack_int4_cpu
+
+    n, k = m.q.shape
+    if n % BLOCK_N or m.group_size % 8 or k % m.group_size or m.x.meta["val"].dtype not in (torch.float32,
+                                                                                             torch.bfloat16):
+        return None
+    packed, scale_bias = pack_int4_cpu(m.q, m.scale, m.zero_point, m.group_size, m.signed)
+    graph = gm.graph
+    with graph.inserting_before(m.linear):
+        w = _new_attr(gm, "_qk_int4cpu_", packed, m.linear)
+        sb = _new_attr(gm, "_qk_int4cpu_scale_bias_", scale_bias, m.linear)
+        y = graph.call_function(torch.ops.quantkit.int4_linear_cpu.default, (m.x, w, sb, m.group_size))
+        if m.bias is not None:
+            y = graph.call_function(aten.add.Tensor, (y, m.bias))
+    return y
+
+
+def _lower_cpu(gm: GraphModule, m: WeightOnlyMatch, int4_kernel: str = "auto") -> Optional[Node]:
     n, k = m.q.shape
     four_bit = m.quant_max - m.quant_min == 15
+    if four_bit and int4_kernel != "aten":
+        from quantkit.kernels._int4_cpu import available
+
+        if int4_kernel == "quantkit" and not available():
+            raise ValueError("int4_kernel='quantkit' needs an x86 CPU with AVX512-VNNI (not capped by "
+                             "ONEDNN_MAX_CPU_ISA) and a C++ compiler; use int4_kernel='auto' or 'aten'")
+        if available():
+            new = _lower_cpu_quantkit(gm, m)
+            if new is not None:
+                return new
     if four_bit:
         if m.group_size not in _CPU_GROUPS or n % 16 or k % m.group_size:
             return None
@@ -145,16 +179,19 @@ def _lower_cuda(gm: GraphModule, m: WeightOnlyMatch) -> Optional[Node]:
                                    (m.x, w, s, z, m.group_size, m.signed, m.bias))
 
 
-def lower_weight_only(gm: GraphModule, device_type: str = "cpu") -> dict[str, int]:
+def lower_weight_only(gm: GraphModule, device_type: str = "cpu", int4_kernel: str = "auto") -> dict[str, int]:
     """Rewrite the weight-only linears of ``gm`` (a ``quantkit.convert`` result) in place for
     ``device_type`` (``"cpu"`` or ``"cuda"``); return counts by kernel. Unmatched layers keep their
-    reference dequantize."""
+    reference dequantize. ``int4_kernel`` (CPU): ``"auto"`` uses quantkit's int4 kernel where this
+    CPU runs it (AVX512-VNNI and a compiler) and aten's elsewhere; ``"quantkit"`` / ``"aten"`` force one."""
+    if int4_kernel not in INT4_KERNELS:
+        raise ValueError(f"unknown int4_kernel {int4_kernel!r}; use one of {list(INT4_KERNELS)}")
     counts = {"weight_only_int4": 0, "weight_only_int8": 0}
     for node in list(gm.graph.nodes):
         m = match_weight_only(gm, node)
         if m is None:
             continue
-        new = _lower_cuda(gm, m) if device_type == "cuda" else _lower_cpu(gm, m)
+        new = _lower_cuda(gm, m) if device_type == "cuda" else _lower_cpu(gm, m, int4_kernel)
         if new is None:
             continue
         new.meta.update({k: v for k, v in node.meta.items()})
@@ -176,4 +213,12 @@ def has_quant_ops(gm: GraphModule) -> bool:
     """Whether ``gm`` still holds quantize/dequantize ops (``quantized_decomposed`` or
     ``quantkit`` namespaces: reference q/dq, NF4 or unlowered group-wise weights) after lowering."""
     return any(n.op == "call_function" and getattr(n.target, "namespace", None) in ("quantized_decomposed", "quantkit")
-               for n in gm.graph.nodes)
+               and _op_name(n.target) not in _COMPUTE_KERNELS for n in gm.graph.nodes)
+
+
+# quantkit ops that are lowered compute kernels, not quantize/dequantize steps
+_COMPUTE_KERNELS = frozenset({"int4_linear_cpu", "w4a16_linear", "int8_linear", "int8_bmm", "fp8_linear"})
+
+
+def _op_name(target) -> str:
+    return getattr(getattr(target, "_schema", None), "name", "").split("::")[-1]
