@@ -242,13 +242,16 @@ def _compiled():
     try:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-        gemv = CppPythonBindingsCodeCache.load_pybinding(
-            ["const void*", "const uint32_t*", "const float*", "void*", "int64_t", "int64_t", "int64_t",
-             "int64_t", "int64_t", "int64_t"], _SOURCE, needs_vec_isa=False)
-        decode = CppPythonBindingsCodeCache.load_pybinding(
-            ["const uint32_t*", "const float*", "uint16_t*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t",
-             "int64_t"],
-            _DECODE_SOURCE, needs_vec_isa=False)
+        def load(argtypes, source):
+            try:
+                return CppPythonBindingsCodeCache.load_pybinding(argtypes, source, needs_vec_isa=False)
+            except TypeError:  # torch releases before needs_vec_isa
+                return CppPythonBindingsCodeCache.load_pybinding(argtypes, source)
+
+        gemv = load(["const void*", "const uint32_t*", "const float*", "void*", "int64_t", "int64_t", "int64_t",
+                     "int64_t", "int64_t", "int64_t"], _SOURCE)
+        decode = load(["const uint32_t*", "const float*", "uint16_t*", "int64_t", "int64_t", "int64_t", "int64_t",
+                       "int64_t", "int64_t"], _DECODE_SOURCE)
     except Exception:  # no compiler, or a toolchain without AVX512-VNNI intrinsics
         return None
     return gemv, decode
