@@ -21,7 +21,7 @@ import platform
 import time
 
 import torch
-from torch import nn
+from _minilm_split import SentenceEmbedder, interleaved_split  # run as a script: benchmarks/ is on sys.path
 
 import quantkit
 from quantkit import _hf, observers
@@ -30,23 +30,6 @@ from quantkit.quantizers import QuantConfig, W8A8Quantizer
 
 HISTOGRAM_OBSERVERS = ("histogram", "kl", "mse", "percentile")
 BUDGET = 0.002  # absolute drop of mean sentence cosine
-
-
-class SentenceEmbedder(nn.Module):
-    """An HF encoder returning mean-pooled, normalised sentence embeddings."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, token_type_ids, attention_mask):
-        out = self.model(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
-        return _hf.embed(out, attention_mask)
-
-
-def _seq_len(tokenizer, sentences) -> int:
-    longest = max(len(ids) for ids in tokenizer(sentences)["input_ids"])
-    return -(-longest // 8) * 8
 
 
 def _embeddings(model, batches) -> torch.Tensor:
@@ -67,17 +50,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
 
-    model, tokenizer = _hf.load_hf_model(_hf.default_model_path())
-    sentences = _hf.read_sentences(_hf.default_calibration_file())
-    if len(sentences) < 400:
-        raise SystemExit(f"expected 400 bundled sentences, found {len(sentences)}")
-    seq_len = _seq_len(tokenizer, sentences)
-
-    def batches(part):
-        return _hf.tokenize(tokenizer, part, seq_len=seq_len, batch_size=args.batch_size)
-
-    calib, tune, test = batches(sentences[0::2]), batches(sentences[1::4]), batches(sentences[3::4])
-    embedder = SentenceEmbedder(model).eval()
+    split = interleaved_split(args.batch_size)
+    if len(split.sentences) < 400:
+        raise SystemExit(f"expected 400 bundled sentences, found {len(split.sentences)}")
+    calib, tune, test = split.batches(split.calibration), split.batches(split.tuning), split.batches(split.heldout)
+    embedder = SentenceEmbedder(split.model).eval()
     example = calib[0]
     float_test = _embeddings(embedder, test)
     float_tune = [_embeddings(embedder, [b]) for b in tune]
@@ -145,7 +122,7 @@ def main() -> None:
     print(report)
     print(report.sensitivity)
 
-    print(f"\nall-MiniLM-L6-v2, {len(test) * args.batch_size} held-out sentences, seq_len {seq_len}, "
+    print(f"\nall-MiniLM-L6-v2, {len(test) * args.batch_size} held-out sentences, seq_len {split.seq_len}, "
           f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads\n")
     print("| configuration | mean cosine | min cosine | GEMM FLOPs in int8 | notes |")
     print("|---|---|---|---|---|")
@@ -157,7 +134,7 @@ def main() -> None:
               f"{100 * r['int8_gemm_fraction']:.1f}% | {r['note']} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "seq_len": seq_len, "fallback": report.to_dict()}, f, indent=1)
+            json.dump({"rows": rows, "seq_len": split.seq_len, "fallback": report.to_dict()}, f, indent=1)
 
 
 if __name__ == "__main__":

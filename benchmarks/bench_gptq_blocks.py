@@ -20,10 +20,9 @@ import os
 import time
 
 import torch
-from bench_weight_only_accuracy import SentenceEmbedder  # run as a script: benchmarks/ is on sys.path
+from _minilm_split import SentenceEmbedder, interleaved_split  # run as a script: benchmarks/ is on sys.path
 
 import quantkit
-from quantkit import _hf
 from quantkit.accuracy import _rounding
 from quantkit.quantizers import QuantConfig, W8A8Quantizer, WeightOnlyQuantizer
 
@@ -44,12 +43,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     torch.manual_seed(0)
-    model, tokenizer = _hf.load_hf_model(_hf.default_model_path())
-    sentences = _hf.read_sentences(_hf.default_calibration_file())
-    longest = max(len(ids) for ids in tokenizer(sentences)["input_ids"])
-    seq_len = -(-longest // 8) * 8
-    calib = _hf.tokenize(tokenizer, sentences[0::2][:args.calib], seq_len=seq_len, batch_size=args.batch_size)
-    graph = quantkit.capture(SentenceEmbedder(model).eval(), calib[0])
+    split = interleaved_split(args.batch_size)
+    calib = split.batches(split.calibration[:args.calib])
+    graph = quantkit.capture(SentenceEmbedder(split.model).eval(), calib[0])
     blocks_gptq = _rounding.run_gptq
     timing: dict[str, float] = {}
     real_quantize = _rounding.gptq_quantize
@@ -72,7 +68,7 @@ def main() -> None:
                 timing["gptq"] = time.perf_counter() - t0
         return run
 
-    print(f"MiniLM, {args.calib} sentences in batches of {args.batch_size} (seq {seq_len}), GPTQ {args.scheme}, "
+    print(f"MiniLM, {args.calib} sentences in batches of {args.batch_size} (seq {split.seq_len}), GPTQ {args.scheme}, "
           f"{torch.get_num_threads()} threads")
     print("| run | GPTQ rounding s | of which gptq_quantize s | data passes s | prepare+calibrate+convert s "
           "| load avg (1 min) |")

@@ -23,6 +23,7 @@ import platform
 import time
 
 import torch
+from _minilm_split import heldout_split  # run as a script: benchmarks/ is on sys.path
 
 import quantkit
 from quantkit import _hf
@@ -46,16 +47,10 @@ def _run(gm, quantizer, calib, held, alpha=None, weights_alone=None):
 
 
 def _minilm():
-    """The bench protocol: the embedder, 128 calibration sentences (first), 100 held out (last), the
-    float embeddings of the held-out ones."""
-    model, tok = _hf.load_hf_model(_hf.default_model_path())
-    embedder = _hf.SentenceEmbedder(model).eval()
-    sents = _hf.read_sentences(_hf.default_calibration_file())
-    calib = _hf.tokenize(tok, sents[:128], seq_len=64, batch_size=32)
-    held = _hf.tokenize(tok, sents[-100:], seq_len=64, batch_size=100)[0]
-    with torch.no_grad():
-        ref = embedder(**held)
-    return embedder, calib, held, ref
+    """The bench protocol (``_minilm_split.heldout_split``): the embedder, 128 calibration sentences
+    (first), 100 held out (last), the float embeddings of the held-out ones."""
+    split = heldout_split()
+    return split.embedder, split.calib, split.held, split.ref
 
 
 def gptq() -> None:

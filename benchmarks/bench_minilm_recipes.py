@@ -19,6 +19,7 @@ import platform
 import time
 
 import torch
+from _minilm_split import heldout_split  # run as a script: benchmarks/ is on sys.path
 
 import quantkit
 from quantkit import _hf
@@ -52,13 +53,7 @@ def main(argv=None) -> None:
     ap.add_argument("--roles", action="store_true", help="also quantize one role of linear at a time")
     ap.add_argument("--fallback", action="store_true", help="also run auto_fallback on a worst-sentence metric")
     args = ap.parse_args(argv)
-    model, tok = _hf.load_hf_model(_hf.default_model_path())
-    embedder = _hf.SentenceEmbedder(model).eval()
-    sents = _hf.read_sentences(_hf.default_calibration_file())
-    calib = _hf.tokenize(tok, sents[:128], seq_len=64, batch_size=32)
-    held = _hf.tokenize(tok, sents[-100:], seq_len=64, batch_size=100)[0]
-    with torch.no_grad():
-        ref = embedder(**held)
+    embedder, calib, held, ref, tok, sents = heldout_split()
     gm = quantkit.capture(embedder, calib[0])
     per_token = QuantConfig(dynamic=True, granularity="per-token")
     recipes = {

@@ -16,7 +16,7 @@ import json
 import time
 
 import torch
-from torch import nn
+from _minilm_split import SentenceEmbedder, interleaved_split  # run as a script: benchmarks/ is on sys.path
 
 import quantkit
 from quantkit import _hf
@@ -28,16 +28,6 @@ CONFIGS = [  # (name, WeightOnlyQuantizer kwargs)
     ("int4 g32 asym", dict(bits=4, group_size=32, symmetric=False)),
     ("nf4 g64", dict(bits=4, group_size=64, scheme="nf4")),
 ]
-
-
-class SentenceEmbedder(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, token_type_ids, attention_mask):
-        out = self.model(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
-        return _hf.embed(out, attention_mask)
 
 
 def _embeddings(model, batches) -> torch.Tensor:
@@ -56,16 +46,9 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
-    model, tokenizer = _hf.load_hf_model(_hf.default_model_path())
-    sentences = _hf.read_sentences(_hf.default_calibration_file())
-    longest = max(len(ids) for ids in tokenizer(sentences)["input_ids"])
-    seq_len = -(-longest // 8) * 8
-
-    def batches(part):
-        return _hf.tokenize(tokenizer, part, seq_len=seq_len, batch_size=args.batch_size)
-
-    calib, test = batches(sentences[0::2][:args.calib]), batches(sentences[3::4])
-    embedder = SentenceEmbedder(model).eval()
+    split = interleaved_split(args.batch_size)
+    calib, test = split.batches(split.calibration[:args.calib]), split.batches(split.heldout)
+    embedder = SentenceEmbedder(split.model).eval()
     float_test = _embeddings(embedder, test)
     graph = quantkit.capture(embedder, calib[0])
     wanted = None if args.configs == "all" else {c.strip() for c in args.configs.split(",")}

@@ -20,6 +20,7 @@ import quantkit  # noqa: E402
 from quantkit import _hf  # noqa: E402
 from quantkit.cli import main  # noqa: E402
 from quantkit.quantizers import EmbeddingQuantizer, QuantConfig, W8A8Quantizer  # noqa: E402
+from tests._ct_helpers import tiny_llama, token_cosines  # noqa: E402
 
 QD = torch.ops.quantized_decomposed
 _TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -69,24 +70,9 @@ def _check_tensors(loaded, qmodel, expected_linears: int) -> None:
             assert int(mod.input_zero_point) == (zp - 128 if dtype == torch.uint8 else zp), name
 
 
-def _cosines(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    real = mask.bool()
-    return torch.nn.functional.cosine_similarity(a[real].double(), b[real].double(), dim=-1)
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=64, vocab_size=100, tie_word_embeddings=True)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    path = tmp_path_factory.mktemp("llama") / "llama"
-    model.save_pretrained(str(path))
-    gen = torch.Generator().manual_seed(0)
-    batches = [{"input_ids": torch.randint(0, 100, (4, 12), generator=gen),
-                "attention_mask": torch.ones(4, 12, dtype=torch.long)} for _ in range(3)]
-    batches[2]["attention_mask"][:, 9:] = 0  # padded tail
-    return model, path, batches
+    return tiny_llama(tmp_path_factory, hidden_size=32, n_batches=3, seed=0, data_seed=0)
 
 
 @pytest.mark.parametrize("scheme", ["static", "per-token"])
@@ -117,11 +103,11 @@ def test_tiny_llama_loads_in_transformers_and_matches(llama, tmp_path, scheme):
         ref = qmodel(**batch)["logits"]
         got = loaded(**batch).logits
         fp = model(**batch).logits
-    cos = _cosines(ref, got, batch["attention_mask"])
+    cos = token_cosines(ref, got, batch["attention_mask"])
     assert cos.min() >= 0.999, cos.min()
     if scheme == "static":  # same integers, same scales: equal up to float rounding of the q/dq ops
         assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
-    assert _cosines(fp, got, batch["attention_mask"]).min() > 0.99
+    assert token_cosines(fp, got, batch["attention_mask"]).min() > 0.99
 
 
 def _tiny_bert(directory: Path, **kw) -> Path:
@@ -184,7 +170,7 @@ def test_cli_writes_both_formats_for_a_tiny_bert(bert_dir, sentences, tmp_path, 
     with torch.no_grad():
         ref = qmodel(**batch)["last_hidden_state"]
         got = loaded(**batch).last_hidden_state
-    assert _cosines(ref, got, batch["attention_mask"]).min() >= 0.999
+    assert token_cosines(ref, got, batch["attention_mask"]).min() >= 0.999
 
     # --force replaces an artifact holding the HF directory; a lone compressed-tensors export too
     assert main(["quantize", str(bert_dir), "--calib", str(sentences), "--out", str(out), "--quiet", "--force",

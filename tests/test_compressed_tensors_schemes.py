@@ -21,6 +21,7 @@ import quantkit  # noqa: E402
 from quantkit import _hf  # noqa: E402
 from quantkit.cli import main  # noqa: E402
 from quantkit.quantizers import FP8Quantizer, WeightOnlyQuantizer  # noqa: E402
+from tests._ct_helpers import tiny_llama, token_cosines  # noqa: E402
 
 AO = torch.ops.torchao
 QD = torch.ops.quantized_decomposed
@@ -154,25 +155,11 @@ def _without_kv_quant(qmodel):
     return ref
 
 
-def _cosines(a, b, mask):
-    real = mask.bool()
-    return torch.nn.functional.cosine_similarity(a[real].double(), b[real].double(), dim=-1)
-
-
 # --- a tiny Llama -------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=128, vocab_size=100, tie_word_embeddings=True)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    path = tmp_path_factory.mktemp("llama") / "llama"
-    model.save_pretrained(str(path))
-    gen = torch.Generator().manual_seed(0)
-    batches = [{"input_ids": torch.randint(0, 100, (4, 12), generator=gen),
-                "attention_mask": torch.ones(4, 12, dtype=torch.long)} for _ in range(2)]
-    batches[1]["attention_mask"][:, 9:] = 0  # padded tail
+    model, path, batches = tiny_llama(tmp_path_factory, hidden_size=64, n_batches=2, seed=0, data_seed=0)
     return model, path, batches, _capture(model, batches[0])
 
 
@@ -227,10 +214,10 @@ def test_tiny_llama_fp8(llama, tmp_path, recipe):
         assert torch.allclose(got, no_kv, atol=1e-5), (got - no_kv).abs().max()
         assert not torch.equal(no_kv, ref)  # the K/V quantization does change quantkit's output
         # with quantkit's FP8 K/V it agrees at FP8 KV noise only (0.997 min cosine here)
-        assert _cosines(ref, got, batch["attention_mask"]).min() >= 0.99
+        assert token_cosines(ref, got, batch["attention_mask"]).min() >= 0.99
     else:
         assert qc["kv_cache_scheme"] is None
-        cos = _cosines(ref, got, batch["attention_mask"])
+        cos = token_cosines(ref, got, batch["attention_mask"])
         assert cos.min() >= 0.999, cos.min()
 
 
@@ -364,7 +351,7 @@ def test_tiny_bert(bert, bert_captured, tmp_path, scheme):
     with torch.no_grad():
         ref = (_without_kv_quant(qmodel) if scheme == "fp8" else qmodel)(**heldout)["last_hidden_state"]
         got = loaded.eval()(**heldout).last_hidden_state
-    assert _cosines(ref, got, heldout["attention_mask"]).min() >= 0.99999
+    assert token_cosines(ref, got, heldout["attention_mask"]).min() >= 0.99999
 
     if scheme == "fp8":
         return
@@ -411,7 +398,7 @@ def test_cli_tiny_bert(bert, tmp_path, scheme):
     with torch.no_grad():
         fp = float_model(**batch).last_hidden_state
         got = loaded(**batch).last_hidden_state
-    assert _cosines(fp, got, batch["attention_mask"]).mean() >= 0.99
+    assert token_cosines(fp, got, batch["attention_mask"]).mean() >= 0.99
 
 
 # --- the bundled MiniLM -------------------------------------------------------------------
