@@ -172,15 +172,9 @@ def bench_llama(args) -> None:
 
 
 def bench_minilm(args) -> None:
-    from quantkit import _hf
+    from _minilm_split import heldout_split
 
-    model, tok = _hf.load_hf_model(_hf.default_model_path())
-    embedder = _hf.SentenceEmbedder(model).eval()
-    sents = _hf.read_sentences(_hf.default_calibration_file())
-    calib = _hf.tokenize(tok, sents[:128], seq_len=64, batch_size=32)
-    held = _hf.tokenize(tok, sents[-100:], seq_len=64, batch_size=100)[0]
-    with torch.no_grad():
-        ref = embedder(**held)
+    embedder, calib, held, ref, _, _ = heldout_split()
     gm = quantkit.capture(embedder, calib[0])
     rows = [
         ("int4 g128 asymmetric", dict(bits=4, group_size=128)),
