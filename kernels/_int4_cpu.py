@@ -338,10 +338,20 @@ def _fake(x, packed, scale_bias, group_size):
 
 # A plain torch.library registration, not @custom_op: its Python wrapper costs ~20 us more per call
 # (measured here: 45 vs 25 us on a tiny layer), ~7% of a 4096x4096 M = 1 product.
-_LIB = torch.library.Library("quantkit", "FRAGMENT")
-_LIB.define("int4_linear_cpu(Tensor x, Tensor packed, Tensor scale_bias, int group_size) -> Tensor")
-_LIB.impl("int4_linear_cpu", _impl, "CPU")
-torch.library.register_fake("quantkit::int4_linear_cpu", _fake, lib=_LIB)
+def _register():
+    """Define the op once per process: this file can be imported twice, as ``quantkit.kernels`` and, with
+    the source tree on ``sys.path``, as a top-level ``kernels`` (transformers probes for a ``kernels``
+    package)."""
+    if hasattr(torch.ops.quantkit, "int4_linear_cpu"):
+        return None
+    lib = torch.library.Library("quantkit", "FRAGMENT")
+    lib.define("int4_linear_cpu(Tensor x, Tensor packed, Tensor scale_bias, int group_size) -> Tensor")
+    lib.impl("int4_linear_cpu", _impl, "CPU")
+    torch.library.register_fake("quantkit::int4_linear_cpu", _fake, lib=lib)
+    return lib
+
+
+_LIB = _register()
 
 
 def int4_linear_cpu(x: torch.Tensor, packed: torch.Tensor, scale_bias: torch.Tensor, group_size: int) -> torch.Tensor:
