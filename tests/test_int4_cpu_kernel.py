@@ -16,7 +16,7 @@ import torch
 from quantkit.kernels import int4_cpu_available, int4_linear_cpu, pack_int4_cpu
 from quantkit.kernels._int4_cpu import PREFILL_COLUMNS, PREFILL_ROWS, _compiled
 
-pytestmark = pytest.mark.skipif(not int4_cpu_available(), reason="needs an AVX512-VNNI CPU and a C++ compiler")
+_needs_kernel = pytest.mark.skipif(not int4_cpu_available(), reason="needs an AVX512-VNNI CPU and a C++ compiler")
 
 
 def _weights(n, k, group, signed, seed=0):
@@ -39,6 +39,7 @@ def _rel_err(out, ref) -> float:
     return float((out.double() - ref).abs().max() / ref.abs().max())
 
 
+@_needs_kernel
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, PREFILL_ROWS - 1])
 @pytest.mark.parametrize("n,k,group,signed", [
     (16, 64, 8, True),      # one 16-channel block, the smallest group
@@ -62,6 +63,7 @@ def test_matches_float64(m, n, k, group, signed):
     torch.testing.assert_close(out16.double(), ref16, rtol=1e-2, atol=1e-2 * float(ref16.abs().max()))
 
 
+@_needs_kernel
 @pytest.mark.parametrize("m", [PREFILL_ROWS, 70])
 def test_prefill_path_is_bf16_gemm_of_exact_weights(m):
     # N spans two PREFILL_COLUMNS slices, the second partial
@@ -87,6 +89,7 @@ def test_prefill_path_is_bf16_gemm_of_exact_weights(m):
     assert _rel_err(out, x.double() @ w.T) < 1e-2
 
 
+@_needs_kernel
 def test_activation_range_within_a_group():
     # one large and many tiny activations in a group: accuracy is relative to the group's largest value
     n, k, group = 32, 64, 32
@@ -104,6 +107,7 @@ def test_activation_range_within_a_group():
     assert torch.count_nonzero(zeros) == 0
 
 
+@_needs_kernel
 def test_non_finite_activations_give_nan_rows():
     q, scale, zp = _weights(32, 64, 32, signed=True)
     packed, sb = pack_int4_cpu(q, scale, zp, 32, True)
@@ -152,6 +156,7 @@ def test_bad_input_is_a_clear_error():
         int4_linear_cpu(torch.randn(2, 64), packed.to(torch.int64), sb, 32)
 
 
+@_needs_kernel
 def test_compiles_and_handles_empty_batches():
     q, scale, zp = _weights(64, 128, 32, signed=True)
     packed, sb = pack_int4_cpu(q, scale, zp, 32, True)
@@ -167,3 +172,13 @@ def test_isa_cap_turns_it_off():
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
+def test_importable_twice_under_two_names():
+    # with the source tree on sys.path, kernels/ is also a top-level package "kernels" (transformers
+    # probes for a package of that name): importing both must not define the op twice
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import kernels, quantkit.kernels, torch; "
+            "print(torch.ops.quantkit.int4_linear_cpu.default)")
+    out = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "int4_linear_cpu" in out.stdout, out.stderr[-2000:]
