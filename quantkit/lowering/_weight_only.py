@@ -3,7 +3,7 @@
 CPU:
 
 * int4, ``N % 16 == 0``, group size a multiple of 8, on an AVX512-VNNI CPU → quantkit's own
-  ``quantkit::int4_linear_cpu`` (``kernels/_int4_cpu.py``): 1.5-2x aten's kernel at 1-16 tokens,
+  ``quantkit::int4_linear_cpu`` (``kernels/_int4_cpu.py``): 2-2.5x aten's kernel at 1-16 tokens,
   activations kept at ~15 bits instead of bf16's 8, float32 in and out (no casts around it).
 * int4 elsewhere (or ``int4_kernel="aten"``), group size 32/64/128/256, ``N % 16 == 0`` →
   ``aten._weight_int4pack_mm_for_cpu`` on a weight
