@@ -95,8 +95,8 @@ def bench_gemm(args) -> None:
     if int4_cpu_available():
         ours = copy.deepcopy(converted)
         lower_weight_only(ours, "cpu", int4_kernel="quantkit")
-        qk_packed = next(b for name, b in ours.named_buffers() if name.startswith("_qk_int4cpu_"))
-        qk_sb = next(b for name, b in ours.named_buffers() if name.startswith("_qk_int4cpu_scale_bias_"))
+        qk_packed = next(b for name, b in ours.named_buffers() if name.startswith("_qk_int4cpu_packed_"))
+        qk_sb = next(b for name, b in ours.named_buffers() if name.startswith("_qk_int4cpu_scale_zero_"))
         qk_bytes = qk_packed.numel() * 4 + qk_sb.numel() * 4
     w32 = model[0].weight.detach()
     w16 = w32.bfloat16()

@@ -16,7 +16,7 @@ third of what memory delivers (``benchmarks/int4_cpu_probe.c``). This kernel spe
 * Per group and 16 outputs, two FMAs turn the integer dots into ``sum x * w`` with
   ``w = (q - zp) * scale``: ``scale * s * (dot_a + dot_b / 254) - scale * zp * sum(x)``.
 
-The result is accurate to ~1e-5 of the output's scale against float64 (``tests/kernels/test_int4_cpu.py``).
+The result is accurate to ~2e-5 of the output's scale against float64 (``tests/test_int4_cpu_kernel.py``).
 
 Layout (``pack_int4_cpu``): output channels in blocks of 16 (one zmm of float32 results); for each
 block and each 8 consecutive inputs ``k0..k7``, 16 dwords, one per channel, byte ``i`` holding
@@ -265,7 +265,7 @@ def available() -> bool:
 
 def pack_int4_cpu(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
                   group_size: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(packed, scale_bias)`` for ``int4_linear_cpu`` from integer weights ``q[N, K]`` (int4 values,
+    """``(packed, scale_zero)`` for ``int4_linear_cpu`` from integer weights ``q[N, K]`` (int4 values,
     in [-8, 7] when ``signed`` else [0, 15]), ``scale`` and ``zero_point`` ``[N, K // group_size]``
     (the weight is ``(q - zero_point) * scale``). Needs ``N % 16 == 0`` and ``group_size % 8 == 0``."""
     n, k = q.shape
@@ -287,7 +287,7 @@ def pack_int4_cpu(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
     return packed, sb.permute(0, 3, 2, 1).contiguous()  # [blocks, G, 2, 16]
 
 
-def _check(x: torch.Tensor, packed: torch.Tensor, scale_bias: torch.Tensor, group_size: int) -> tuple[int, int]:
+def _check(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> tuple[int, int]:
     blocks, octets, lanes = packed.shape
     k, n = octets * 8, blocks * BLOCK_N
     if lanes != BLOCK_N or packed.dtype != torch.int32 or not packed.is_contiguous():
@@ -295,16 +295,16 @@ def _check(x: torch.Tensor, packed: torch.Tensor, scale_bias: torch.Tensor, grou
                          f"{packed.dtype} {tuple(packed.shape)}")
     if x.shape[-1] != k or x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"int4_linear_cpu: x must be float32 or bfloat16 [..., {k}], got {x.dtype} {tuple(x.shape)}")
-    if (group_size <= 0 or k % group_size or group_size % 8 or scale_bias.dtype != torch.float32
-            or tuple(scale_bias.shape) != (blocks, k // group_size, 2, 16) or not scale_bias.is_contiguous()):
-        raise ValueError(f"int4_linear_cpu: scale_bias {scale_bias.dtype} {tuple(scale_bias.shape)} is not the "
+    if (group_size <= 0 or k % group_size or group_size % 8 or scale_zero.dtype != torch.float32
+            or tuple(scale_zero.shape) != (blocks, k // group_size, 2, 16) or not scale_zero.is_contiguous()):
+        raise ValueError(f"int4_linear_cpu: scale_zero {scale_zero.dtype} {tuple(scale_zero.shape)} is not the "
                          f"contiguous float32 [N/16, K/group_size, 2, 16] of pack_int4_cpu for K={k}, "
                          f"group_size={group_size}")
     return n, k
 
 
-def _impl(x: torch.Tensor, packed: torch.Tensor, scale_bias: torch.Tensor, group_size: int) -> torch.Tensor:
-    n, k = _check(x, packed, scale_bias, group_size)
+def _impl(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
+    n, k = _check(x, packed, scale_zero, group_size)
     kernels = _compiled()
     if kernels is None:
         raise RuntimeError("int4_linear_cpu needs an x86 CPU with AVX512-VNNI and a C++ compiler "
@@ -321,18 +321,18 @@ def _impl(x: torch.Tensor, packed: torch.Tensor, scale_bias: torch.Tensor, group
         for nb0 in range(0, n // BLOCK_N, step):
             nbs = min(step, n // BLOCK_N - nb0)
             buf = torch.empty(k, nbs * BLOCK_N, dtype=torch.bfloat16)
-            decode(packed, scale_bias, buf, n, k, group_size, nb0, nbs, threads)
+            decode(packed, scale_zero, buf, n, k, group_size, nb0, nbs, threads)
             parts.append(torch.mm(xb, buf))
         y = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(x.dtype)
     else:
         y = torch.empty(m, n, dtype=x.dtype)
         if m:
-            gemv(x2, packed, scale_bias, y, m, n, k, group_size, int(x.dtype == torch.bfloat16), threads)
+            gemv(x2, packed, scale_zero, y, m, n, k, group_size, int(x.dtype == torch.bfloat16), threads)
     return y if flat else y.reshape(*x.shape[:-1], n)
 
 
-def _fake(x, packed, scale_bias, group_size):
-    n, _ = _check(x, packed, scale_bias, group_size)
+def _fake(x, packed, scale_zero, group_size):
+    n, _ = _check(x, packed, scale_zero, group_size)
     return x.new_empty(*x.shape[:-1], n)
 
 
@@ -345,7 +345,7 @@ def _register():
     if hasattr(torch.ops.quantkit, "int4_linear_cpu"):
         return None
     lib = torch.library.Library("quantkit", "FRAGMENT")
-    lib.define("int4_linear_cpu(Tensor x, Tensor packed, Tensor scale_bias, int group_size) -> Tensor")
+    lib.define("int4_linear_cpu(Tensor x, Tensor packed, Tensor scale_zero, int group_size) -> Tensor")
     lib.impl("int4_linear_cpu", _impl, "CPU")
     torch.library.register_fake("quantkit::int4_linear_cpu", _fake, lib=lib)
     return lib
@@ -354,9 +354,9 @@ def _register():
 _LIB = _register()
 
 
-def int4_linear_cpu(x: torch.Tensor, packed: torch.Tensor, scale_bias: torch.Tensor, group_size: int) -> torch.Tensor:
+def int4_linear_cpu(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:
     """``x[..., K] @ W^T`` for the int4 weight ``W[N, K]`` packed by ``pack_int4_cpu``
     (``torch.ops.quantkit.int4_linear_cpu``); output in x's dtype (float32 or bfloat16). Below
     ``PREFILL_ROWS`` rows x keeps ~15 bits per group (see the module docstring); from there on x and
     the decoded weight are bf16."""
-    return torch.ops.quantkit.int4_linear_cpu(x, packed, scale_bias, group_size)
+    return torch.ops.quantkit.int4_linear_cpu(x, packed, scale_zero, group_size)

@@ -120,11 +120,11 @@ def _lower_cpu_quantkit(gm: GraphModule, m: WeightOnlyMatch) -> Optional[Node]:
     if n % BLOCK_N or m.group_size % 8 or k % m.group_size or m.x.meta["val"].dtype not in (torch.float32,
                                                                                              torch.bfloat16):
         return None
-    packed, scale_bias = pack_int4_cpu(m.q, m.scale, m.zero_point, m.group_size, m.signed)
+    packed, scale_zero = pack_int4_cpu(m.q, m.scale, m.zero_point, m.group_size, m.signed)
     graph = gm.graph
     with graph.inserting_before(m.linear):
-        w = _new_attr(gm, "_qk_int4cpu_", packed, m.linear)
-        sb = _new_attr(gm, "_qk_int4cpu_scale_bias_", scale_bias, m.linear)
+        w = _new_attr(gm, "_qk_int4cpu_packed_", packed, m.linear)
+        sb = _new_attr(gm, "_qk_int4cpu_scale_zero_", scale_zero, m.linear)
         y = graph.call_function(torch.ops.quantkit.int4_linear_cpu.default, (m.x, w, sb, m.group_size))
         if m.bias is not None:
             y = graph.call_function(aten.add.Tensor, (y, m.bias))
