@@ -60,6 +60,11 @@ static inline uint16_t qk_f32_to_bf16(float f) {
   return (uint16_t)(u >> 16);
 }
 
+// lanes 0..n-1 of 16 (all for n >= 16)
+static inline __mmask16 qk_first(int64_t n) {
+  return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+}
+
 // 16 activations from x[i..] (float32, or bf16 when x_bf16), masked lanes zero
 QK_TARGET static inline __m512 qk_load_x(const void* x, int64_t i, __mmask16 mk, int64_t x_bf16) {
   if (x_bf16) {
@@ -149,7 +154,7 @@ QK_TARGET void kernel(const void* x, const uint32_t* w, const float* sb, void* y
       __m512 vmax = _mm512_setzero_ps();
       __mmask16 nan = 0;
       for (int64_t i = 0; i < gs; i += 16) {
-        const __mmask16 mk = gs - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (gs - i)) - 1);
+        const __mmask16 mk = qk_first(gs - i);
         const __m512 v = qk_load_x(x, base + i, mk, x_bf16);
         nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
@@ -160,7 +165,7 @@ QK_TARGET void kernel(const void* x, const uint32_t* w, const float* sb, void* y
       const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
       __m512i sa = _mm512_setzero_si512(), sbv = _mm512_setzero_si512();
       for (int64_t i = 0; i < gs; i += 16) {
-        const __mmask16 mk = gs - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (gs - i)) - 1);
+        const __mmask16 mk = qk_first(gs - i);
         const __m512 t = _mm512_mul_ps(qk_load_x(x, base + i, mk, x_bf16), rs);
         const __m512i a = _mm512_cvtps_epi32(t);  // round to nearest even
         const __m512i b = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, _mm512_cvtps_epi32(

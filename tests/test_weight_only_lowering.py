@@ -123,7 +123,7 @@ def test_has_quant_ops_sees_reference_layers():
     int4 = _converted(WeightOnlyQuantizer(bits=4, group_size=64), x)
     assert has_quant_ops(nf4) and has_quant_ops(int4)
     lower_weight_only(nf4, "cpu")
-    lower_weight_only(int4, "cpu", int4_kernel="aten")
+    lower_weight_only(int4, "cpu")
     assert has_quant_ops(nf4) and not has_quant_ops(int4)
 
 

@@ -137,13 +137,13 @@ def _lower_cpu(gm: GraphModule, m: WeightOnlyMatch, int4_kernel: str = "auto") -
     if four_bit and int4_kernel != "aten":
         from quantkit.kernels._int4_cpu import available
 
-        if int4_kernel == "quantkit" and not available():
-            raise ValueError("int4_kernel='quantkit' needs an x86 CPU with AVX512-VNNI (not capped by "
-                             "ONEDNN_MAX_CPU_ISA) and a C++ compiler; use int4_kernel='auto' or 'aten'")
         if available():
             new = _lower_cpu_quantkit(gm, m)
             if new is not None:
                 return new
+        elif int4_kernel == "quantkit":
+            raise ValueError("int4_kernel='quantkit' needs an x86 CPU with AVX512-VNNI (not capped by "
+                             "ONEDNN_MAX_CPU_ISA) and a C++ compiler; use int4_kernel='auto' or 'aten'")
     if four_bit:
         if m.group_size not in _CPU_GROUPS or n % 16 or k % m.group_size:
             return None
