@@ -7,7 +7,6 @@ unchanged, and that no output (or temporary directory) is left behind.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -22,74 +21,15 @@ import torch
 
 from quantkit import _hf
 from quantkit.cli import main
+from tests._hostile import RAW_EXCEPTION, _error, _fails, _no_leftovers, _tiny_bert, _tree  # noqa: F401
 
 transformers = pytest.importorskip("transformers")
 
-RAW_EXCEPTION = re.compile(r"\b(IndexError|AttributeError|RuntimeError|KeyError|TypeError|ValueError|"
-                           r"AssertionError|NotImplementedError)\b:")
 # bad command lines must fail before anything heavy runs (measured: < 2 s; generous for a loaded CI box)
 FAST_S = 10
 
 
-# --- helpers -------------------------------------------------------------------------------
-
-def _tree(path: Path) -> dict[str, str]:
-    """sha256 of every file under ``path`` (or of ``path`` itself), keyed by relative name."""
-    path = Path(path)
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    return {str(p.relative_to(path) if p != path else p.name): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in files}
-
-
-def _error(err: str) -> str:
-    """The single error line; fails on anything else on stderr."""
-    lines = [ln for ln in err.split("\n") if ln.strip()]
-    assert len(lines) == 1, f"expected exactly one stderr line, got {lines!r}"
-    line = lines[0]
-    assert "\r" not in line and "\x1b" not in line, repr(line)
-    assert "Traceback" not in err
-    assert not RAW_EXCEPTION.search(line), line
-    assert line.startswith("quantkit: error: "), line
-    return line
-
-
-def _no_leftovers(out: Path) -> None:
-    assert not out.exists(), f"{out} was left behind"
-    parent = out.parent
-    while not parent.exists():
-        parent = parent.parent
-    assert not [p.name for p in parent.iterdir() if p.name.startswith(f".{out.name}.")], "temporary dir left"
-
-
-def _fails(argv: list[str], capsys, *, code: int, inputs: list[Path] = (), out: Path | None = None) -> str:
-    """Run the CLI in-process, check the failure contract, return the error line."""
-    before = {str(p): _tree(p) for p in inputs}
-    rc = main(argv)
-    captured = capsys.readouterr()
-    line = _error(captured.err)
-    assert rc == code, (rc, line)
-    for p in inputs:
-        assert _tree(p) == before[str(p)], f"input {p} changed"
-    if out is not None:
-        _no_leftovers(out)
-    return line
-
-
 # --- fixtures ------------------------------------------------------------------------------
-
-_TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-def _tiny_bert(directory: Path, cls=None, num_labels: int = 3) -> Path:
-    """A random-weight BERT (2 layers, hidden 32) with all-MiniLM-L6-v2's tokenizer."""
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                  vocab_size=30522, max_position_embeddings=128, num_labels=num_labels)
-    (cls or transformers.BertForSequenceClassification)(cfg).save_pretrained(str(directory), safe_serialization=True)
-    for f in _TOKENIZER_FILES:
-        shutil.copy(_hf.default_model_path() / f, directory / f)
-    return directory
-
 
 @pytest.fixture(scope="module")
 def bert_dir(tmp_path_factory) -> Path:
