@@ -27,9 +27,12 @@ Rows are processed 4 at a time (the unpacked weights are reused across them); fr
 (prefill) the weight is instead decoded to bf16, 512 output channels at a time, and multiplied by
 oneDNN's bf16 GEMM (bf16 activations and result there, as in aten's kernel).
 
-The C++ is compiled on first use through Inductor's C++ code cache (the compiler and cache
-``torch.compile`` already uses on CPU); ``available()`` says whether this CPU and toolchain can run
-it, and callers keep ``aten._weight_int4pack_mm_for_cpu`` where it cannot.
+The C++ is compiled on first use with Inductor's C++ builder (the compiler and flags ``torch.compile``
+already uses on CPU) into quantkit's own kernel cache, and loaded only after its SHA-256 matches the
+digest recorded when quantkit built it (``kernels/_kernel_cache.py``: Inductor's own cache runs any
+library planted under the hash name). ``status()`` says whether this CPU and toolchain run it and, when
+not, why (no AVX512-VNNI, a refused cache folder, a library that fails its digest check, a compiler
+error); callers keep ``aten._weight_int4pack_mm_for_cpu`` where it cannot run and report that reason.
 """
 
 from __future__ import annotations
@@ -38,7 +41,12 @@ import functools
 
 import torch
 
-__all__ = ["int4_linear_cpu", "pack_int4_cpu", "available", "PREFILL_ROWS", "PREFILL_COLUMNS", "BLOCK_N"]
+from ._kernel_cache import KernelLoadError, KernelStatus, cache_dir, load
+
+__all__ = ["int4_linear_cpu", "pack_int4_cpu", "available", "status", "KERNEL", "PREFILL_ROWS", "PREFILL_COLUMNS",
+           "BLOCK_N"]
+
+KERNEL = "quantkit::int4_linear_cpu"
 
 BLOCK_N = 16      # output channels per zmm
 PREFILL_ROWS = 32  # from this many rows on, decode to bf16 and use the bf16 GEMM
@@ -238,36 +246,57 @@ QK_TARGET void kernel(const uint32_t* w, const float* sb, uint16_t* out, int64_t
 """
 
 
-@functools.cache
-def _compiled():
-    """The two compiled kernels, or None where this CPU lacks AVX512-VNNI or compiling fails."""
+_GEMV_ARGS = ["const void*", "const uint32_t*", "const float*", "void*", "int64_t", "int64_t", "int64_t", "int64_t",
+              "int64_t", "int64_t"]
+_DECODE_ARGS = ["const uint32_t*", "const float*", "uint16_t*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t",
+                "int64_t"]
+
+
+def _cpu_gate() -> str | None:
+    """None where this CPU can run the kernel, else why not."""
     from quantkit.lowering._cpu_isa import cpu_has
 
-    # the CPU has it, ONEDNN_MAX_CPU_ISA does not cap it, and aten's dispatch is AVX-512 too
-    if not cpu_has("avx512_vnni") or "avx512" not in torch.backends.cpu.get_cpu_capability().lower():
-        return None
+    if not cpu_has("avx512_vnni"):
+        return "this CPU has no AVX512-VNNI (or ONEDNN_MAX_CPU_ISA caps it below)"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if "avx512" not in capability.lower():  # aten's dispatch capped, e.g. ATEN_CPU_CAPABILITY=avx2
+        return f"aten's CPU dispatch is {capability}, not AVX-512 (ATEN_CPU_CAPABILITY)"
+    return None
+
+
+@functools.cache
+def _loaded() -> tuple[tuple | None, KernelStatus]:
+    """``((gemv, decode), status)``: the two kernels, built or verified and loaded from quantkit's
+    kernel cache, or ``(None, status)`` with the reason they cannot run here."""
+    why = _cpu_gate()
+    if why is not None:
+        return None, KernelStatus(KERNEL, False, why)
     try:
-        from torch._inductor.codecache import CppPythonBindingsCodeCache
+        kernels = (load("int4_linear_cpu", _GEMV_ARGS, _SOURCE), load("int4_decode_cpu", _DECODE_ARGS, _DECODE_SOURCE))
+    except KernelLoadError as exc:
+        return None, KernelStatus(KERNEL, False, str(exc), fault=True)
+    return kernels, KernelStatus(KERNEL, True, f"built and verified in {cache_dir()}")
 
-        def load(argtypes, source):
-            try:
-                return CppPythonBindingsCodeCache.load_pybinding(argtypes, source, needs_vec_isa=False)
-            except TypeError:  # torch releases before needs_vec_isa
-                return CppPythonBindingsCodeCache.load_pybinding(argtypes, source)
 
-        gemv = load(["const void*", "const uint32_t*", "const float*", "void*", "int64_t", "int64_t", "int64_t",
-                     "int64_t", "int64_t", "int64_t"], _SOURCE)
-        decode = load(["const uint32_t*", "const float*", "uint16_t*", "int64_t", "int64_t", "int64_t", "int64_t",
-                       "int64_t", "int64_t"], _DECODE_SOURCE)
-    except Exception:  # no compiler, or a toolchain without AVX512-VNNI intrinsics
-        return None
-    return gemv, decode
+def _compiled():
+    """The two compiled kernels, or None where they cannot run here (``status()`` says why)."""
+    return _loaded()[0]
+
+
+def status() -> KernelStatus:
+    """Whether ``int4_linear_cpu`` runs here and why not: AVX512-VNNI (not capped by
+    ``ONEDNN_MAX_CPU_ISA``), a C++ compiler Inductor can use, and a kernel cache that passes its
+    ownership, permission and digest checks (``fault`` is True for the last two: the CPU could run it).
+
+    Example:
+        >>> s = status(); print(s.describe())  # one line
+    """
+    return _loaded()[1]
 
 
 def available() -> bool:
-    """Whether ``int4_linear_cpu`` can run here (AVX512-VNNI, allowed by ``ONEDNN_MAX_CPU_ISA``, and a
-    C++ compiler Inductor can use)."""
-    return _compiled() is not None
+    """Whether ``int4_linear_cpu`` can run here (``status()`` says why not)."""
+    return status().available
 
 
 def pack_int4_cpu(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
@@ -314,8 +343,7 @@ def _impl(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group
     n, k = _check(x, packed, scale_zero, group_size)
     kernels = _compiled()
     if kernels is None:
-        raise RuntimeError("int4_linear_cpu needs an x86 CPU with AVX512-VNNI and a C++ compiler "
-                           "(quantkit.kernels.int4_cpu_available() says whether this machine has them)")
+        raise RuntimeError(f"int4_linear_cpu cannot run here: {status().reason}")
     gemv, decode = kernels
     flat = x.dim() == 2 and x.is_contiguous()
     x2 = x if flat else x.reshape(-1, k).contiguous()

@@ -6,17 +6,30 @@ with min-max or histogram ranges, SmoothQuant folded into LayerNorm -- lower to 
 kernels and share one measurement), the torch version, the CPU and the thread count. The
 cache is a JSON file in ``$QUANTKIT_CACHE_DIR`` (default ``~/.cache/quantkit``); delete it
 to measure again. Numbers measured on a busy machine stay until then.
+
+The cache is data, never code: it is parsed as JSON only (never unpickled), it must be an object
+mapping keys to milliseconds, and an entry counts only when it is a finite number in
+(0, :data:`MAX_MS`] -- ``Infinity`` once made static recipes look unmeasurably slow and silently
+chose per-token. Anything else (NaN, infinities, zero, negative, strings, booleans, nested values,
+a file that is not JSON, too large, or a symlink) is ignored and measured again, with a line in
+:attr:`Meter.notes` for the report. Writes go to a fresh temporary file (``O_EXCL``, so a link planted
+at a temporary name is never followed) renamed over the cache, which replaces a symlink there rather
+than writing through it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
 import json
+import math
 import os
 import platform
+import stat
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -26,7 +39,7 @@ from torch.fx import GraphModule
 
 from ..pipeline._inputs import call_model
 
-__all__ = ["Meter", "cache_path", "structure_key"]
+__all__ = ["Meter", "cache_path", "structure_key", "MAX_MS", "valid_ms"]
 
 # timed calls per model after one warm-up (compile) call, and a wall-clock cap on them
 CALLS, MAX_SECONDS = 5, 10.0
@@ -34,11 +47,29 @@ CALLS, MAX_SECONDS = 5, 10.0
 # (per-token activation scales: oneDNN/Inductor have no pattern for them, BENCHMARKS issue 12:
 # 0.57x fp32), so their latency is bounded below by the float model's, measured
 NO_INT8_KERNEL_ON_CPU = ("per-token", "dynamic")
+# the largest latency the cache accepts: an hour per call, far beyond anything _time measures (it
+# stops after MAX_SECONDS once two calls are timed); larger values are not measurements
+MAX_MS = 3.6e6
+_MAX_BYTES = 16 << 20  # a cache file larger than this is not one quantkit wrote (~100 bytes an entry)
 
 
 def cache_path() -> Path:
     root = os.environ.get("QUANTKIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "quantkit")
     return Path(root) / "latency.json"
+
+
+def valid_ms(value: Any) -> bool:
+    """Whether a cached value is a latency: a finite int or float in (0, MAX_MS] (not a bool)."""
+    return type(value) in (int, float) and math.isfinite(value) and 0 < value <= MAX_MS
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a JSON object"
+    if isinstance(value, list):
+        return "a JSON array"
+    text = ascii(value)  # escapes control characters
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @functools.cache
@@ -117,6 +148,10 @@ class Meter:
         float_graph: the captured float model (its graph keys the cache).
         example_inputs: the batch every model is timed on.
         cache: False: measure every time and write nothing.
+
+    Attributes:
+        notes: one line per cache entry (or cache file) that was ignored and measured again
+            because it is not a finite positive latency; for the report.
     """
 
     def __init__(self, float_graph: GraphModule, example_inputs: Any, *, cache: bool = True) -> None:
@@ -128,32 +163,81 @@ class Meter:
                               _lowering_fingerprint()])
         self.kinds: dict[str, float] = {}  # lowering kind -> latency measured or recalled this run
         self.measured = 0  # compilations done (not recalled from the cache)
+        self.notes: list[str] = []  # cache entries (or the cache file) ignored, one line each, for the report
 
-    def _load(self) -> dict:
+    def _note(self, line: str) -> None:
+        if line not in self.notes:
+            self.notes.append(line)
+
+    def _load(self, quiet: bool = False) -> dict:
+        """The cache's entries; {} (and a note unless ``quiet``) when the file is not a JSON object."""
+        path = cache_path()
+        why = None
+        data = b""
         try:
-            doc = json.loads(cache_path().read_text(encoding="utf-8"))
-            return doc if isinstance(doc, dict) else {}
-        except (OSError, ValueError):
+            # no link followed; O_NONBLOCK: a FIFO planted at the path must not block the open
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        except FileNotFoundError:
             return {}
+        except OSError as exc:
+            why = "a symlink (not followed)" if os.path.islink(path) else f"unreadable ({exc.strerror})"
+        else:
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    why = "not a regular file"
+                else:
+                    try:
+                        data = f.read(_MAX_BYTES + 1)
+                    except OSError as exc:
+                        why = f"unreadable ({exc.strerror})"
+        if why is None:
+            if len(data) > _MAX_BYTES:
+                why = f"larger than {_MAX_BYTES >> 20} MiB"
+            else:
+                try:
+                    doc = json.loads(data.decode("utf-8"))  # JSON only: never unpickled
+                except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
+                    why = "not JSON"
+                else:
+                    if isinstance(doc, dict):
+                        return doc
+                    why = f"{_describe(doc)}, not a JSON object"
+        if not quiet:
+            self._note(f"latency cache {path} is {why}; ignored, latencies measured again")
+        return {}
 
     def _store(self, key: str, ms: float) -> None:
         if not self.cache:
             return
         path = cache_path()
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            doc = self._load()
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            doc = {k: v for k, v in self._load(quiet=True).items() if valid_ms(v)}
             doc[key] = ms
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(doc, indent=0, sort_keys=True), encoding="utf-8")
-            os.replace(tmp, path)
+            # a fresh name (O_EXCL: a link planted at a temporary name is never followed), then a rename,
+            # which replaces a symlink at the cache path instead of writing through it
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(json.dumps(doc, indent=0, sort_keys=True))
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
         except OSError:  # a read-only home: measure again next time
             pass
 
     def _cached(self, key: str, measure: Callable[[], float]) -> float:
-        hit = self._load().get(key) if self.cache else None
-        if isinstance(hit, (int, float)) and hit > 0:
-            return float(hit)
+        if self.cache:
+            doc = self._load()
+            if key in doc:
+                hit = doc[key]
+                if valid_ms(hit):
+                    return float(hit)
+                what = "|".join(key.split("|")[6:]) or key  # the part after the model/machine fields
+                self._note(f"latency cache entry {what} in {cache_path()} is {_describe(hit)}, not a finite "
+                           f"positive number of ms up to {MAX_MS:g}; ignored and measured again")
         ms = measure()
         self.measured += 1
         self._store(key, ms)

@@ -12,9 +12,9 @@ from ._bf16 import float_ops_to_bf16, resolve_float_dtype
 from ._fp8 import FP8_KERNELS, has_fp8_qdq, lower_fp8
 from ._lower import Target, lower
 from ._onednn import exact_for_graph
-from ._weight_only import has_quant_ops, lower_weight_only
+from ._weight_only import KERNELS_META_KEY, has_quant_ops, kernel_choices, lower_weight_only
 
-__all__ = ["compile", "CPU_KERNELS", "LOWERING_META_KEY"]
+__all__ = ["compile", "CPU_KERNELS", "LOWERING_META_KEY", "KERNELS_META_KEY", "kernel_choices"]
 
 LOWERING_META_KEY = "quantkit_lowering"
 # "auto": oneDNN int8 where it is exact (VNNI/AMX CPUs, or 7-bit activations: see
@@ -71,7 +71,9 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", float_dtype: s
             ``options``, ...). With oneDNN, calls run with Inductor ``freezing=True`` and no grad.
 
     Returns:
-        The compiled module; ``._orig_mod.meta["quantkit_lowering"]`` counts the rewrites.
+        The compiled module; ``._orig_mod.meta["quantkit_lowering"]`` counts the rewrites, and
+        ``kernel_choices(compiled)`` says which int4 kernel the weight-only layers run and why
+        (aten's where quantkit's cannot load here, with the reason).
 
     Example:
         >>> fast = quantkit.compile(quantkit.convert(prepared))

@@ -20,10 +20,16 @@ dequantize.
 
 CUDA: int4 and int8-in-[-8, 7] weights of any group size dividing K → ``quantkit.w4a16_linear``
 (Triton, ``kernels/_w4a16.py``), weights stay packed.
+
+Which CPU int4 kernel ran, on how many layers and why is recorded in ``gm.meta["quantkit_kernels"]``
+(:func:`kernel_choices`): a fallback to aten's kernel is never silent. When quantkit's kernel could
+run on this CPU but was refused (its cache folder or library failed the ownership, permission or
+digest checks of ``kernels/_kernel_cache.py``) or failed to build, the lowering also warns.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,12 +39,15 @@ from torch.fx import GraphModule, Node
 from ._match import attr as _attr
 from ._triton import _buffer as _new_attr  # a uniquely named buffer and its get_attr before a node
 
-__all__ = ["lower_weight_only", "WeightOnlyMatch", "match_weight_only", "has_quant_ops", "INT4_KERNELS"]
+__all__ = ["lower_weight_only", "WeightOnlyMatch", "match_weight_only", "has_quant_ops", "INT4_KERNELS",
+           "KERNELS_META_KEY", "kernel_choices"]
 
 aten = torch.ops.aten
 _CPU_GROUPS = (32, 64, 128, 256)  # aten._weight_int4pack_mm_for_cpu accepts these group sizes only
 _COMPUTE_DTYPE = torch.bfloat16
 INT4_KERNELS = ("auto", "quantkit", "aten")  # CPU int4: ours where the CPU allows it, or aten's
+KERNELS_META_KEY = "quantkit_kernels"  # gm.meta: [{"op", "kernel", "layers", "reason"}] per kernel chosen
+_ATEN_INT4 = "aten._weight_int4pack_mm_for_cpu"
 
 
 @dataclass
@@ -131,22 +140,33 @@ def _lower_cpu_quantkit(gm: GraphModule, m: WeightOnlyMatch) -> Optional[Node]:
     return y
 
 
-def _lower_cpu(gm: GraphModule, m: WeightOnlyMatch, int4_kernel: str = "auto") -> Optional[Node]:
+def _lower_cpu(gm: GraphModule, m: WeightOnlyMatch, int4_kernel: str = "auto",
+               choose=lambda kernel, reason: None) -> Optional[Node]:
+    """The lowered node for ``m`` on CPU, or None; ``choose(kernel, reason)`` hears which int4 kernel
+    each int4 layer got and why."""
     n, k = m.q.shape
     four_bit = m.quant_max - m.quant_min == 15
+    why_aten = "int4_kernel='aten'"
     if four_bit and int4_kernel != "aten":
-        from quantkit.kernels._int4_cpu import available
+        from quantkit.kernels._int4_cpu import KERNEL, status
 
-        if available():
+        ours = status()
+        if ours.available:
             new = _lower_cpu_quantkit(gm, m)
             if new is not None:
+                choose(KERNEL, ours.reason)
                 return new
+            why_aten = (f"{KERNEL} needs N % 16 == 0 and a group size that is a multiple of 8 dividing K, and "
+                        f"float32/bf16 activations; got N={n}, K={k}, group_size={m.group_size}")
         elif int4_kernel == "quantkit":
-            raise ValueError("int4_kernel='quantkit' needs an x86 CPU with AVX512-VNNI (not capped by "
-                             "ONEDNN_MAX_CPU_ISA) and a C++ compiler; use int4_kernel='auto' or 'aten'")
+            raise ValueError(f"int4_kernel='quantkit' cannot run here: {ours.reason}; use int4_kernel='auto' or "
+                             "'aten'")
+        else:
+            why_aten = f"{KERNEL} cannot run here: {ours.reason}"
     if four_bit:
         if m.group_size not in _CPU_GROUPS or n % 16 or k % m.group_size:
             return None
+        choose(_ATEN_INT4, why_aten)
         shift = 8 if m.signed else 0  # to the kernel's unsigned [0, 15]
         q_u4 = m.q.to(torch.int32) + shift
         zp_u4 = m.zero_point.to(torch.float32) + shift
@@ -187,11 +207,16 @@ def lower_weight_only(gm: GraphModule, device_type: str = "cpu", int4_kernel: st
     if int4_kernel not in INT4_KERNELS:
         raise ValueError(f"unknown int4_kernel {int4_kernel!r}; use one of {list(INT4_KERNELS)}")
     counts = {"weight_only_int4": 0, "weight_only_int8": 0}
+    chosen: dict[tuple[str, str], int] = {}  # (kernel, reason) -> int4 layers lowered to it
+
+    def choose(kernel: str, reason: str) -> None:
+        chosen[(kernel, reason)] = chosen.get((kernel, reason), 0) + 1
+
     for node in list(gm.graph.nodes):
         m = match_weight_only(gm, node)
         if m is None:
             continue
-        new = _lower_cuda(gm, m) if device_type == "cuda" else _lower_cpu(gm, m, int4_kernel)
+        new = _lower_cuda(gm, m) if device_type == "cuda" else _lower_cpu(gm, m, int4_kernel, choose)
         if new is None:
             continue
         new.meta.update({k: v for k, v in node.meta.items()})
@@ -206,7 +231,31 @@ def lower_weight_only(gm: GraphModule, device_type: str = "cpu", int4_kernel: st
                 delattr(gm, name)  # the packed/unpacked originals the kernels no longer read
         gm.graph.lint()
         gm.recompile()
+    if chosen:
+        gm.meta[KERNELS_META_KEY] = [{"op": "weight_only_int4", "kernel": kernel, "layers": layers, "reason": reason}
+                                     for (kernel, reason), layers in chosen.items()]
+        _warn_on_fault(chosen)
     return counts
+
+
+def _warn_on_fault(chosen: dict) -> None:
+    """Warn when quantkit's int4 kernel could run on this CPU but was refused or failed to build."""
+    from quantkit.kernels._int4_cpu import status
+
+    ours = status()
+    if ours.fault and any(kernel == _ATEN_INT4 for kernel, _ in chosen):
+        warnings.warn(f"int4 weight-only layers run aten's kernel instead of {ours.kernel}: {ours.reason}",
+                      RuntimeWarning, stacklevel=3)
+
+
+def kernel_choices(gm) -> list[str]:
+    """One line per kernel the weight-only lowering chose for ``gm`` (a lowered GraphModule, or the
+    module ``quantkit.compile`` returns), e.g. ``int4 weight-only: 4 layers on
+    aten._weight_int4pack_mm_for_cpu (quantkit::int4_linear_cpu cannot run here: ...)``; [] when
+    there were no int4 layers to lower."""
+    meta = getattr(getattr(gm, "_orig_mod", gm), "meta", {})
+    return [f"int4 weight-only: {c['layers']} layer{'s' if c['layers'] != 1 else ''} on {c['kernel']} ({c['reason']})"
+            for c in meta.get(KERNELS_META_KEY, [])]
 
 
 def has_quant_ops(gm: GraphModule) -> bool:
