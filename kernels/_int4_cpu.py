@@ -41,7 +41,7 @@ import functools
 
 import torch
 
-from ._kernel_cache import KernelLoadError, KernelStatus, cache_dir, load
+from ._kernel_cache import KernelLoadError, KernelStatus, cache_dir, load, verify
 
 __all__ = ["int4_linear_cpu", "pack_int4_cpu", "available", "status", "KERNEL", "PREFILL_ROWS", "PREFILL_COLUMNS",
            "BLOCK_N"]
@@ -283,15 +283,31 @@ def _compiled():
     return _loaded()[0]
 
 
-def status() -> KernelStatus:
+def status(build: bool = True) -> KernelStatus:
     """Whether ``int4_linear_cpu`` runs here and why not: AVX512-VNNI (not capped by
     ``ONEDNN_MAX_CPU_ISA``), a C++ compiler Inductor can use, and a kernel cache that passes its
     ownership, permission and digest checks (``fault`` is True for the last two: the CPU could run it).
 
+    Args:
+        build: False: never compile or load (for ``inspect``): where this process has not loaded the
+            kernel yet, check the cache's libraries without loading them; a kernel not built yet is
+            reported as available, "not built yet".
+
     Example:
-        >>> s = status(); print(s.describe())  # one line
+        >>> print(status().describe())  # one line
     """
-    return _loaded()[1]
+    if build or _loaded.cache_info().currsize:
+        return _loaded()[1]
+    why = _cpu_gate()
+    if why is not None:
+        return KernelStatus(KERNEL, False, why)
+    try:
+        built = verify("int4_linear_cpu", _GEMV_ARGS, _SOURCE) and verify("int4_decode_cpu", _DECODE_ARGS,
+                                                                          _DECODE_SOURCE)
+    except KernelLoadError as exc:
+        return KernelStatus(KERNEL, False, str(exc), fault=True)
+    return KernelStatus(KERNEL, True, f"built and verified in {cache_dir()}" if built else
+                        f"not built yet: quantkit builds it into {cache_dir()} on first use")
 
 
 def available() -> bool:

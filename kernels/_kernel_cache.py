@@ -50,7 +50,7 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["KernelLoadError", "KernelStatus", "cache_dir", "load", "RECORD"]
+__all__ = ["KernelLoadError", "KernelStatus", "cache_dir", "load", "verify", "RECORD"]
 
 RECORD = "digests.json"  # {library file name: sha256 hex} of what quantkit built here
 _LOCK = ".lock"
@@ -114,12 +114,18 @@ def _check_dir(fd: int, path: Path) -> None:
                               f"only you can write: chmod 700 {path}, or remove it")
 
 
-def _open_private(parent_fd: int, name: str, path: Path) -> int:
-    """``parent/name``, created 0700 where absent, opened without following a link, and checked."""
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(name, 0o700, dir_fd=parent_fd)
+def _open_private(parent_fd: int, name: str, path: Path, create: bool = True) -> int | None:
+    """``parent/name``, created 0700 where absent (else None when absent and not ``create``), opened
+    without following a link, and checked."""
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o700, dir_fd=parent_fd)
     try:
         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
+    except FileNotFoundError:
+        if create:
+            raise
+        return None
     except OSError as exc:
         raise KernelLoadError(f"the kernel cache {path} is a symlink or not a directory ({exc.strerror}); "
                               "remove it, or set QUANTKIT_CACHE_DIR to a directory of yours") from None
@@ -131,22 +137,31 @@ def _open_private(parent_fd: int, name: str, path: Path) -> int:
     return fd
 
 
-def _open_cache() -> int:
-    """A descriptor of the checked cache folder (the caller closes it)."""
+def _open_cache(create: bool = True) -> int | None:
+    """A descriptor of the checked cache folder (the caller closes it); None when it does not exist
+    and ``create`` is False."""
     path = cache_dir()
     root = path.parent.parent
     try:
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if create:
+            root.mkdir(parents=True, exist_ok=True, mode=0o700)
         root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        if create:
+            raise KernelLoadError(f"cannot create the kernel cache under {root}; set QUANTKIT_CACHE_DIR to a "
+                                  "writable directory") from None
+        return None
     except OSError as exc:
         raise KernelLoadError(f"cannot create the kernel cache under {root} ({exc.strerror}); "
                               "set QUANTKIT_CACHE_DIR to a writable directory") from None
     try:
-        mid = _open_private(root_fd, "kernels", path.parent)
+        mid = _open_private(root_fd, "kernels", path.parent, create)
     finally:
         os.close(root_fd)
+    if mid is None:
+        return None
     try:
-        return _open_private(mid, path.name, path)
+        return _open_private(mid, path.name, path, create)
     finally:
         os.close(mid)
 
@@ -260,6 +275,67 @@ def _import(module_name: str, fd: int, path: Path) -> Callable:
     return module.kernel
 
 
+def _library(name: str, argtypes: Sequence[str], source: str) -> tuple[str, str, str]:
+    """``(file name, module name, C++ with its binding)``: the name keys the source, the build
+    command, torch and the CPU."""
+    if not _NAME.match(name):
+        raise ValueError(f"kernel name {name!r} must be lower-case letters, digits and underscores")
+    from torch._inductor.cpp_builder import CppBuilder
+
+    code = _binding_source(argtypes, source)
+    command = CppBuilder(name="o", sources="i", BuildOption=_options()).get_command_line()
+    key = hashlib.sha256("\0".join([code, command, torch.__version__, _cpu_identity()]).encode()).hexdigest()[:24]
+    return f"{name}-{key}.so", f"quantkit_kernel_{name}_{key}.kernel", code
+
+
+def _open_verified(dfd: int, file: str, record: dict[str, str], path: Path) -> int:
+    """A descriptor of ``file``, opened without following a link, whose bytes match its record."""
+    try:
+        fd = os.open(file, _READ, dir_fd=dfd)
+    except OSError as exc:
+        raise KernelLoadError(f"{path / file} cannot be opened without following a link ({exc.strerror}); "
+                              f"not loading it (delete {path} to rebuild the kernels)") from None
+    try:
+        fst = os.fstat(fd)
+        if not stat.S_ISREG(fst.st_mode):
+            raise KernelLoadError(f"{path / file} is not a regular file; not loading it (delete {path} to "
+                                  "rebuild the kernels)")
+        if file not in record:
+            raise KernelLoadError(f"{path / file} has no digest in {RECORD}: quantkit did not build it; not "
+                                  f"loading it (delete {path} to rebuild the kernels)")
+        if hashlib.sha256(os.pread(fd, fst.st_size + 1, 0)).hexdigest() != record[file]:
+            raise KernelLoadError(f"{path / file} does not match the SHA-256 quantkit recorded when it built it; "
+                                  f"not loading it (delete {path} to rebuild the kernels)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def verify(name: str, argtypes: Sequence[str], source: str) -> bool:
+    """Whether the library :func:`load` would load is built and passes its checks, without building,
+    loading or creating anything: True when it does, False when it is not built yet.
+
+    Raises:
+        KernelLoadError: as :func:`load` would, for a refused folder, record or library.
+    """
+    file, _, _ = _library(name, argtypes, source)
+    path = cache_dir()
+    dfd = _open_cache(create=False)
+    if dfd is None:
+        return False
+    try:
+        record = _read_record(dfd, path)
+        try:
+            os.stat(file, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        os.close(_open_verified(dfd, file, record, path))
+        return True
+    finally:
+        os.close(dfd)
+
+
 def load(name: str, argtypes: Sequence[str], source: str) -> Callable:
     """The C++ function ``kernel(...)`` of ``source``, built into (or verified and loaded from) the cache.
 
@@ -280,14 +356,7 @@ def load(name: str, argtypes: Sequence[str], source: str) -> Callable:
         >>> add_one = load("qk_example", ["int64_t*"], source)  # source: void kernel(int64_t* x) { x[0] += 1; }
         >>> add_one(torch.zeros(1, dtype=torch.int64))
     """
-    if not _NAME.match(name):
-        raise ValueError(f"kernel name {name!r} must be lower-case letters, digits and underscores")
-    from torch._inductor.cpp_builder import CppBuilder
-
-    code = _binding_source(argtypes, source)
-    command = CppBuilder(name="o", sources="i", BuildOption=_options()).get_command_line()
-    key = hashlib.sha256("\0".join([code, command, torch.__version__, _cpu_identity()]).encode()).hexdigest()[:24]
-    file = f"{name}-{key}.so"
+    file, module_name, code = _library(name, argtypes, source)
     path = cache_dir()
     dfd = _open_cache()
     try:
@@ -297,32 +366,19 @@ def load(name: str, argtypes: Sequence[str], source: str) -> Callable:
         with _locked(dfd):
             record = _read_record(dfd, path)
             try:
-                fd = os.open(file, _READ, dir_fd=dfd)
+                os.stat(file, dir_fd=dfd, follow_symlinks=False)
             except FileNotFoundError:
                 data = _build(name, code)
                 record[file] = hashlib.sha256(data).hexdigest()
                 _replace(dfd, RECORD, json.dumps(record, indent=1, sort_keys=True).encode(), 0o600)
                 _replace(dfd, file, data, 0o500)
-                fd = os.open(file, _READ, dir_fd=dfd)
-            except OSError as exc:
-                raise KernelLoadError(f"{path / file} cannot be opened without following a link ({exc.strerror}); "
-                                      f"not loading it (delete {path} to rebuild the kernels)") from None
+            fd = _open_verified(dfd, file, record, path)
         try:
-            fst = os.fstat(fd)
-            if not stat.S_ISREG(fst.st_mode):
-                raise KernelLoadError(f"{path / file} is not a regular file; not loading it (delete {path} to "
-                                      "rebuild the kernels)")
-            digest = hashlib.sha256(os.pread(fd, fst.st_size + 1, 0)).hexdigest()
-            if file not in record:
-                raise KernelLoadError(f"{path / file} has no digest in {RECORD}: quantkit did not build it; not "
-                                      f"loading it (delete {path} to rebuild the kernels)")
-            if digest != record[file]:
-                raise KernelLoadError(f"{path / file} does not match the SHA-256 quantkit recorded when it built it; "
-                                      f"not loading it (delete {path} to rebuild the kernels)")
-            fn = _import(f"quantkit_kernel_{name}_{key}.kernel", fd, path / file)
-        except BaseException:
+            fn = _import(module_name, fd, path / file)
+        except (ImportError, OSError, AttributeError) as exc:  # e.g. a missing libgomp, a noexec mount
             os.close(fd)
-            raise
+            text = " ".join(str(exc).split())[:200] or type(exc).__name__
+            raise KernelLoadError(f"{path / file} was verified but does not load ({text})") from None
         _KEEP_OPEN.append(fd)
         _LOADED[(st.st_dev, st.st_ino, file)] = fn
         return fn

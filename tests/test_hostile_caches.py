@@ -238,6 +238,25 @@ def test_symlinked_cache_folder_is_refused(cache, planted_so, tmp_path):
     _refused("is a symlink or not a directory", tmp_path / "MARKER")
 
 
+def test_verify_checks_without_loading(cache, planted_so, tmp_path):
+    # what inspect uses: the same checks as loading, without building, loading or writing anything
+    assert _kernel_cache.verify(*_PROBE) is True
+    _plant(cache, planted_so)
+    before = _tree(cache)
+    with pytest.raises(_kernel_cache.KernelLoadError, match="does not match the SHA-256"):
+        _kernel_cache.verify(*_PROBE)
+    assert not (tmp_path / "MARKER").exists() and _tree(cache) == before
+
+
+def test_status_without_building_creates_nothing(tmp_path, monkeypatch, int4_gate):
+    root = tmp_path / "never-created"
+    monkeypatch.setenv("QUANTKIT_CACHE_DIR", str(root))
+    monkeypatch.setattr(_kernel_cache, "_build", lambda *a: pytest.fail("status(build=False) compiled"))
+    status = quantkit.kernels.int4_cpu_status(build=False)
+    assert status.available and "not built yet" in status.reason, status
+    assert not root.exists()
+
+
 def test_refused_int4_kernel_is_reported_and_lowering_says_why(cache, tmp_path, int4_gate):
     # the int4 kernel on a CPU that could run it, with a damaged cache: no silent fallback
     (_version_dir(cache) / "digests.json").write_text("{broken")
@@ -394,3 +413,72 @@ def test_latency_cache_fifo_does_not_hang(meter_env):
     os.mkfifo(path)
     ms, meter = _fp32(gm)
     assert ms == 7.0 and any("not a regular file" in n for n in meter.notes), meter.notes
+
+
+# ------------------------------------------------------------------------ the issue's attack, end to end
+
+@pytest.fixture(scope="module")
+def int4_cache(tmp_path_factory):
+    """A kernel cache in which quantkit built its two int4 libraries (``QUANTKIT_CACHE_DIR`` root).
+
+    Compiling them takes ~15-30 s here: the price of planting over the real kernel's files, as the
+    issue's attack did, rather than a stand-in's."""
+    root = tmp_path_factory.mktemp("int4") / "cache"
+    saved, gate = os.environ.get("QUANTKIT_CACHE_DIR"), _int4_cpu._cpu_gate
+    os.environ["QUANTKIT_CACHE_DIR"] = str(root)
+    _int4_cpu._cpu_gate = lambda: None  # build on any CPU: building runs none of the AVX-512 code
+    _int4_cpu._loaded.cache_clear()
+    try:
+        status = _int4_cpu.status()
+    finally:
+        _int4_cpu._cpu_gate = gate
+        _int4_cpu._loaded.cache_clear()
+        if saved is None:
+            os.environ.pop("QUANTKIT_CACHE_DIR", None)
+        else:
+            os.environ["QUANTKIT_CACHE_DIR"] = saved
+    if not status.available:
+        pytest.skip(f"quantkit's int4 kernel does not build here: {status.reason}")
+    assert len(list(_version_dir(root).glob("*.so"))) == 2
+    return root
+
+
+@pytest.mark.slow
+def test_planted_int4_kernel_does_not_run_in_eval(int4_cache, planted_so, tmp_path, monkeypatch, capsys, int4_gate):
+    from quantkit.cli import main
+    from tests.cli_factories import mlp_quantize_args, write_mlp_inputs
+
+    root = tmp_path / "cache"
+    shutil.copytree(int4_cache, root, symlinks=True)
+    monkeypatch.setenv("QUANTKIT_CACHE_DIR", str(root))
+    marker = tmp_path / "MARKER"
+    monkeypatch.setenv("QK_PLANT_MARKER", str(marker))
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    weights, calib = write_mlp_inputs(inputs, calib_rows=24)
+    out = tmp_path / "out"
+    assert main(mlp_quantize_args(weights, calib, out, "--scheme", "w4a16", "--group-size", "32")) == 0
+    libs = _plant(root, planted_so)  # over both hash-named int4 libraries
+    _int4_cpu._loaded.cache_clear()
+    before = {p: _tree(p) for p in (inputs, out)}
+    capsys.readouterr()
+    rc = main(["eval", str(out), "--model", "tests.cli_factories:mlp", "--weights", str(weights), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 0 and not err.strip(), err
+    assert not marker.exists(), "the planted library ran during eval"
+    status = _int4_cpu.status()
+    assert not status.available and status.fault and "does not match the SHA-256" in status.reason, status
+    assert {p: _tree(p) for p in (inputs, out)} == before
+    _control_runs(libs[0], marker)
+
+
+def test_int4_status_without_building_sees_a_planted_library(int4_cache, planted_so, tmp_path, monkeypatch, int4_gate):
+    root = tmp_path / "cache"
+    shutil.copytree(int4_cache, root, symlinks=True)
+    monkeypatch.setenv("QUANTKIT_CACHE_DIR", str(root))
+    monkeypatch.setenv("QK_PLANT_MARKER", str(tmp_path / "MARKER"))
+    assert quantkit.kernels.int4_cpu_status(build=False).reason.startswith("built and verified in ")
+    _plant(root, planted_so)
+    status = quantkit.kernels.int4_cpu_status(build=False)
+    assert not status.available and status.fault and "does not match the SHA-256" in status.reason, status
+    assert not (tmp_path / "MARKER").exists()
