@@ -193,7 +193,7 @@ class SequentialGPTQ:
     first block with GPTQ linears, in a second cache under the partial directory."""
 
     def __init__(self, prepared: GraphModule, blocks: list, batches: list, partial_path: Path,
-                 budget: int | None, config: GPTQConfig = GPTQConfig()) -> None:
+                 budget: int | None, config: GPTQConfig = GPTQConfig(), ledger=None) -> None:
         from ..pipeline._calibrate import _padding_mask
         from ..pipeline._seq_state import ActivationCache
         from ._rounding import find_rounded_linears
@@ -210,7 +210,7 @@ class SequentialGPTQ:
         self.masks = [_padding_mask(b) for b in batches]
         self.later = _later_inputs(blocks)
         self.last = max(plan) if plan else -1
-        self.cache = ActivationCache(Path(partial_path) / "gptq", budget)
+        self.cache = ActivationCache(Path(partial_path) / "gptq", budget, ledger)  # ledger: the partial dir's digests
         self.diverged = False
         self.records: list[dict] = []
 

@@ -20,6 +20,7 @@ import torch
 
 from .. import _hf
 from .._errors import QuantkitError
+from ..pipeline._seq_state import PartialDir
 
 __all__ = [
     "UsageError", "ModelSpec", "is_factory_name", "LoadedModel", "parse_example_input", "load_model",
@@ -309,7 +310,11 @@ def check_device(name: str | None) -> torch.device:
 def check_not_input(out: Path, inputs: list[Path]) -> None:
     """Refuse an output directory that is, contains, or lies inside one of the input
     directories (inputs are never modified; an artifact inside a model or data directory
-    would change it). A file input only refuses being the output itself or inside it."""
+    would change it). A file input only refuses being the output itself or inside it.
+
+    The block-by-block progress directory beside ``out`` (``.NAME.quantkit-partial``, which
+    quantkit creates and removes) gets the same check, the link at that path (if any) resolved."""
+    partial = PartialDir.beside(out).resolve()
     out = out.absolute().resolve()
     for p in inputs:
         p = p.absolute().resolve()
@@ -318,6 +323,9 @@ def check_not_input(out: Path, inputs: list[Path]) -> None:
         if p.is_dir() and p in out.parents:
             raise UsageError(f"--out {str(out)!r} is inside the input directory {str(p)!r}; inputs are never "
                              "modified: choose a directory outside it")
+        if p == partial or partial in p.parents or (p.is_dir() and p in partial.parents):
+            raise UsageError(f"--out {str(out)!r} keeps its block-by-block progress in {str(partial)!r}, which "
+                             f"would overwrite the input {str(p)!r}; choose another --out")
 
 
 def check_out_location(out: Path) -> None:

@@ -1,10 +1,17 @@
 """Write a directory beside its final place and swap it in, so the final path is never half-written or missing.
 
-Temporary directories are named ``.NAME.quantkit-tmp-<pid>-<random>`` (the new contents)
-and ``.NAME.quantkit-old-<pid>-<random>`` (the previous contents while they are being
-replaced, on systems without an atomic exchange). A writer killed outright (SIGKILL,
-power loss) leaves them behind; the next write beside the same path removes those of
-dead processes, and puts back an ``-old-`` backup if the final path is missing.
+Temporary directories are named ``.NAME.quantkit-tmp-<pid>-lk<random>`` (the new contents)
+and ``.NAME.quantkit-old-<pid>-lk<random>`` (the previous contents while they are being
+replaced, on systems without an atomic exchange). The writer holds an exclusive ``flock``
+on each while it works; the kernel drops it when the writer dies, however it dies. A writer
+killed outright (SIGKILL, power loss) leaves them behind; the next write beside the same
+path removes those nobody holds, and puts back an ``-old-`` backup if the final path is
+missing. The pid in the name is not trusted alone: a killed writer's pid may be a zombie
+not yet reaped, or recycled (in a container the next run often gets the same pid).
+Directories in the older unlocked form (``-<pid>-<random>``) are removed once their pid is
+dead, and so are ``-new-`` ones (a directory made, not yet locked and renamed). The
+temporary directory is created with mode 0700 (nobody else can plant files in it
+while it is written) and gets the umask's ordinary mode just before it is swapped in.
 
 On Linux the new directory and the old one swap places in one ``renameat2(RENAME_EXCHANGE)``
 call; elsewhere (or on file systems without it) the old directory is renamed aside, the new
@@ -18,6 +25,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import stat
 import re
 import secrets
 import shutil
@@ -27,9 +35,14 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; the pid alone decides
+    fcntl = None
+
 __all__ = ["atomic_dir", "recover", "Terminated", "sigterm_as_interrupt", "exchange"]
 
-_LEFTOVER = re.compile(r"\.(?P<name>.+)\.quantkit-(?P<kind>tmp|old)-(?P<pid>[0-9]+)-[0-9a-f]+\Z")
+_LEFTOVER = re.compile(r"\.(?P<name>.+)\.quantkit-(?P<kind>tmp|old|new)-(?P<pid>[0-9]+)-(?P<lk>lk)?[0-9a-f]+\Z")
 _AT_FDCWD = -100  # <fcntl.h>
 _RENAME_EXCHANGE = 2  # <linux/fs.h>: 1 << 1
 
@@ -92,6 +105,46 @@ def _pid_alive(pid: int) -> bool:
         return False
     except OSError:  # EPERM: alive, another user's
         return True
+    try:  # a zombie (killed, not yet reaped by its parent) answers kill(pid, 0) but writes nothing
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[:1] not in ([b"Z"], [b"X"])
+    except OSError:
+        return True
+
+
+def _lock(path: Path) -> int | None:
+    """An open descriptor of directory ``path`` holding an exclusive flock, or None where the
+    platform has no flock. Raises BlockingIOError when another descriptor holds it."""
+    if fcntl is None:
+        return None
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+                 | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _unlock(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)  # closing the descriptor drops the flock
+
+
+def _writer_gone(path: Path, pid: int, locked_form: bool) -> bool:
+    """Whether the writer of the temporary directory ``path`` is gone: its flock is free (a
+    dead writer holds none, whatever its pid now names), or, for the unlocked form, its pid is dead."""
+    if not _pid_alive(pid):
+        return True
+    if not locked_form or fcntl is None:
+        return False
+    try:
+        _unlock(_lock(path))
+    except BlockingIOError:
+        return False  # held: a writer is at work
+    except OSError:
+        return False
     return True
 
 
@@ -105,7 +158,8 @@ def _leftovers(path: Path) -> list[tuple[str, Path]]:
         return out
     for entry in entries:
         m = _LEFTOVER.match(entry.name)
-        if m and m["name"] == path.name and entry.is_dir(follow_symlinks=False) and not _pid_alive(int(m["pid"])):
+        if m and m["name"] == path.name and entry.is_dir(follow_symlinks=False) \
+                and _writer_gone(Path(entry.path), int(m["pid"]), bool(m["lk"])):
             out.append((m["kind"], Path(entry.path)))
     return out
 
@@ -153,7 +207,7 @@ def exchange(a: Path, b: Path) -> bool:
 
 
 def _new_name(path: Path, kind: str) -> Path:
-    return path.parent / f".{path.name}.quantkit-{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+    return path.parent / f".{path.name}.quantkit-{kind}-{os.getpid()}-lk{secrets.token_hex(4)}"
 
 
 def _replace(tmp: Path, path: Path) -> None:
@@ -165,13 +219,17 @@ def _replace(tmp: Path, path: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # now the old contents
         return
     old = _new_name(path, "old")
-    os.rename(path, old)
+    held = _lock(path)  # before it takes the -old- name: never seen there unheld while we live
     try:
-        os.rename(tmp, path)
-    except BaseException:
-        os.rename(old, path)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            os.rename(old, path)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        _unlock(held)
 
 
 def _fsync(path: Path, directory: bool = False) -> None:
@@ -194,6 +252,40 @@ def _fsync_tree(root: Path) -> None:
         _fsync(Path(dirpath), directory=True)
 
 
+def _umask() -> int:
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
+
+
+def _make_tmp(path: Path) -> tuple[Path, int | None]:
+    """A new temporary directory beside ``path`` (mode 0700), locked before anyone else can see it
+    unheld: it is made and locked under a name recover() ignores, then renamed to its
+    ``-tmp-`` name."""
+    tmp = _new_name(path, "tmp")
+    staging = path.parent / f".{path.name}.quantkit-new-{os.getpid()}-{secrets.token_hex(4)}"
+    os.mkdir(staging, 0o700)
+    try:
+        held = _lock(staging)
+    except BaseException:
+        os.rmdir(staging)
+        raise
+    try:
+        os.rename(staging, tmp)
+    except BaseException:
+        _unlock(held)
+        os.rmdir(staging)
+        raise
+    return tmp, held
+
+
+def _check_tmp(tmp: Path, path: Path) -> None:
+    """The temporary directory is still a directory (no link) beside ``path``, where we made it."""
+    st = os.lstat(tmp)
+    if not stat.S_ISDIR(st.st_mode) or os.path.realpath(tmp.parent) != os.path.realpath(path.parent):
+        raise OSError(errno.EXDEV, f"the temporary directory {str(tmp)!r} was replaced while it was written")
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike, *, before_commit: Callable[[Path], None] | None = None,
                check: Callable[[], object] | None = None) -> Iterator[Path]:
@@ -214,8 +306,7 @@ def atomic_dir(path: str | os.PathLike, *, before_commit: Callable[[Path], None]
             parent = parent.parent
         for p in reversed(created):
             p.mkdir(exist_ok=True)
-        tmp = _new_name(path, "tmp")
-        tmp.mkdir()
+        tmp, held = _make_tmp(path)
         try:
             yield tmp
             if before_commit is not None:
@@ -224,6 +315,8 @@ def atomic_dir(path: str | os.PathLike, *, before_commit: Callable[[Path], None]
             with _signals_deferred():
                 if check is not None:
                     check()
+                _check_tmp(tmp, path)
+                os.chmod(tmp, 0o777 & ~_umask())
                 _replace(tmp, path)
         except BaseException:
             with _signals_deferred():
@@ -232,4 +325,6 @@ def atomic_dir(path: str | os.PathLike, *, before_commit: Callable[[Path], None]
                     with contextlib.suppress(OSError):
                         p.rmdir()
             raise
+        finally:
+            _unlock(held)
         _fsync(path.parent, directory=True)

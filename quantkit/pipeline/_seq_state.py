@@ -1,17 +1,23 @@
 """On-disk state of a block-by-block quantization run: what survives an interruption.
 
-The partial directory (``.NAME.quantkit-partial`` beside the output) holds, after block k:
+The progress directory (``.NAME.quantkit-partial`` beside the output) holds, after block k:
 
-- ``state.json``: the run's fingerprint (checkpoint files, recipe, calibration data) and k;
+- ``quantkit-partial.json``: the marker that makes it ours (kind and run id, written when it is
+  created); a directory at that path without our marker is never reused or removed;
+- ``state.json``: the run's fingerprint (model files, recipe, calibration data, versions), k,
+  and the SHA-256 of every file below, with a digest of the record itself;
 - ``block_<i>.safetensors`` for i <= k: the block's int8 weights (``q:<node>``) and the
   float tensors the quantized model keeps (``f:<attribute>``);
 - ``observers_<i>.safetensors``: the buffers of the observers block i ran;
 - ``acts/<k>/batch_<j>.safetensors`` (+ ``.json`` for sizes and None): the values block k
   handed on, one file per calibration batch.
 
-Everything is safetensors or JSON: nothing here is ever unpickled. Each file is written
-under a temporary name and renamed, and ``state.json`` last, so a run killed at any point
-resumes from the last block whose files are all there.
+Everything is safetensors or JSON: nothing here is ever unpickled. Each file is written under
+a fresh temporary name opened with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (a planted file or link is
+never written through) inside the directory's resolved path, its SHA-256 computed as it is
+written, then renamed; ``state.json`` comes last, so a run killed at any point resumes from the
+last block whose files are all there. On resume every file is checked against its recorded
+digest before it is used.
 """
 
 from __future__ import annotations
@@ -19,30 +25,35 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import shutil
+import stat
+import struct
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
 from .._errors import QuantkitError
 
-__all__ = ["PartialDir", "ActivationCache", "STATE_VERSION", "digest_of", "fingerprint_tensors"]
+__all__ = ["PartialDir", "ActivationCache", "Ledger", "STATE_VERSION", "MARKER", "digest_of", "file_digest",
+           "fingerprint_tensors", "model_files_fingerprint"]
 
-STATE_VERSION = 1
-
-
-def _atomic_save(tensors: dict, path: Path) -> None:
-    from safetensors.torch import save_file
-
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    os.replace(tmp, path)
-
-
-def _atomic_text(text: str, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+STATE_VERSION = 2
+MARKER = "quantkit-partial.json"
+_KIND = "quantkit block-by-block progress"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# files larger than this are fingerprinted by size, mtime and a few sampled windows, not read whole
+LARGE_FILE = 1 << 30
+_WINDOW = 1 << 20
+_HEX = frozenset("0123456789abcdef")
+# safetensors' dtype names (github.com/huggingface/safetensors, format spec)
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+           torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64"}
+_RESTART = "run again without --resume to start over"
 
 
 def fingerprint_tensors(digest, value) -> None:
@@ -63,50 +74,355 @@ def fingerprint_tensors(digest, value) -> None:
         digest.update(repr(value).encode())
 
 
-class PartialDir:
-    """The partial directory of one output path."""
+def digest_of(*values) -> str:
+    h = hashlib.sha256()
+    for v in values:
+        fingerprint_tensors(h, v)
+    return h.hexdigest()
 
-    def __init__(self, path: Path, fingerprint: dict, n_blocks: int) -> None:
-        self.path = Path(path)
-        self.fingerprint = json.loads(json.dumps(fingerprint, default=str))  # as state.json will hold it
-        self.n_blocks = n_blocks
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file's bytes; for a file over :data:`LARGE_FILE` (1 GiB), of its size, mtime
+    and five fixed 1 MiB windows (at 0, 1/4, 1/2, 3/4 of it and its last MiB) instead: a
+    multi-GB checkpoint is not read whole on every run, so an edit that keeps size and mtime and
+    misses every window goes unseen there."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_size <= LARGE_FILE:
+            for chunk in iter(lambda: f.read(_WINDOW), b""):
+                h.update(chunk)
+            return h.hexdigest()
+        h.update(f"sampled:{st.st_size}:{st.st_mtime_ns}".encode())
+        for offset in (0, st.st_size // 4, st.st_size // 2, st.st_size * 3 // 4, st.st_size - _WINDOW):
+            f.seek(offset)
+            h.update(f.read(_WINDOW))
+    return "sampled:" + h.hexdigest()
+
+
+def _is_tokenizer_file(name: str) -> bool:
+    return (name.startswith(("tokenizer", "vocab", "merges")) or name.endswith(".model")
+            or name in ("special_tokens_map.json", "added_tokens.json"))
+
+
+def model_files_fingerprint(model_dir: Path, checkpoint_files: Iterable[str]) -> dict:
+    """Digests (:func:`file_digest`) of ``config.json``, the tokenizer files and the checkpoint files."""
+    model_dir = Path(model_dir)
+    config = model_dir / "config.json"
+    tokenizer = sorted(p.name for p in model_dir.iterdir() if p.is_file() and _is_tokenizer_file(p.name))
+    return {"config.json": file_digest(config) if config.is_file() else None,
+            "tokenizer": {name: file_digest(model_dir / name) for name in tokenizer},
+            "checkpoint": {name: file_digest(model_dir / name) for name in sorted(set(checkpoint_files))}}
+
+
+def _damaged(path: Path, why: str) -> QuantkitError:
+    return QuantkitError(f"the partial run in {str(path)!r} is damaged ({why}); {_RESTART}")
+
+
+def _safetensors_chunks(tensors: dict) -> Iterator[bytes | memoryview]:
+    """The safetensors serialization of ``tensors``, one tensor at a time (no copy of the whole file)."""
+    header: dict = {}
+    arrays = []
+    offset = 0
+    for name, t in tensors.items():
+        t = t.detach().cpu().contiguous()
+        if t.dtype not in _DTYPES:
+            raise QuantkitError(f"internal: cannot store a {t.dtype} tensor ({name!r}) in the progress directory")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        arrays.append(t)
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
+    yield struct.pack("<Q", len(raw)) + raw
+    for t in arrays:
+        if t.numel():
+            yield memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class Ledger:
+    """The files of one progress directory and the SHA-256 each was written with.
+
+    Every write goes through here: the target must lie inside the directory's resolved path,
+    is written under a fresh name opened with ``O_EXCL | O_NOFOLLOW`` and renamed into place.
+    Every read of a file the run trusts is checked against its recorded digest.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root).absolute()
+        self.digests: dict[str, str] = {}
+
+    def key(self, path: Path) -> str:
+        return Path(path).absolute().relative_to(self.root).as_posix()
+
+    def inside(self, path: Path) -> Path:
+        """``path`` if its directory resolves inside the progress directory and it is no link.
+
+        Raises:
+            QuantkitError: it would lead elsewhere (a planted link on the way).
+        """
+        path = Path(path).absolute()
+        real_root = os.path.realpath(self.root)
+        real_parent = os.path.realpath(path.parent)
+        if (os.path.islink(self.root) or not (real_parent == real_root or real_parent.startswith(real_root + os.sep))
+                or os.path.islink(path)):
+            raise QuantkitError(f"refusing to write {str(path)!r}: a symbolic link leads it outside the progress "
+                                f"directory {str(self.root)!r}; remove that directory and run again")
+        return path
+
+    def makedirs(self, path: Path) -> None:
+        """Create ``path`` and the directories up to it below the root (mode 0700), refusing links."""
+        path = Path(path).absolute()
+        if self.root not in path.parents:
+            raise QuantkitError(f"internal: refusing to create {str(path)!r} outside {str(self.root)!r}")
+        todo = []
+        p = path
+        while p != self.root:
+            todo.append(p)
+            p = p.parent
+        for d in reversed(todo):
+            self.inside(d)
+            try:
+                os.mkdir(d, 0o700)
+            except FileExistsError:
+                if not stat.S_ISDIR(os.lstat(d).st_mode):
+                    raise QuantkitError(f"{str(d)!r} in the progress directory is not a directory; remove "
+                                        f"{str(self.root)!r} and run again") from None
+
+    def write(self, path: Path, chunks: Iterable, *, record: bool = True) -> str:
+        """Write ``chunks`` to ``path`` atomically; returns (and records) their SHA-256."""
+        path = self.inside(path)
+        tmp = path.with_name(f"{path.name}.{secrets.token_hex(6)}.tmp")
+        h = hashlib.sha256()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600)
+        try:
+            for chunk in chunks:
+                h.update(chunk)
+                _write_all(fd, chunk)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        os.replace(tmp, path)
+        digest = h.hexdigest()
+        if record:
+            self.digests[self.key(path)] = digest
+        return digest
+
+    def save_tensors(self, tensors: dict, path: Path) -> str:
+        return self.write(path, _safetensors_chunks(tensors))
+
+    def save_text(self, text: str, path: Path, *, record: bool = True) -> str:
+        return self.write(path, [text.encode("utf-8")], record=record)
+
+    def _open_checked(self, path: Path):
+        """(file, expected digest) of a recorded file, opened without following links."""
+        path = Path(path).absolute()
+        expected = self.digests.get(self.key(path))
+        if expected is None:
+            raise _damaged(self.root, f"{self.key(path)} is not recorded in state.json")
+        try:
+            fd = os.open(self.inside(path), os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+        except (OSError, QuantkitError):
+            raise _damaged(self.root, f"{self.key(path)} is missing or not a plain file") from None
+        return os.fdopen(fd, "rb"), expected
+
+    def read_verified(self, path: Path) -> bytes:
+        """The bytes of ``path``, after checking them against the digest recorded when it was written.
+
+        Raises:
+            QuantkitError: unrecorded, missing, a link, or changed since (named).
+        """
+        f, expected = self._open_checked(path)
+        with f:
+            data = f.read()
+        if hashlib.sha256(data).hexdigest() != expected:
+            raise _damaged(self.root, f"{self.key(path)} was changed after it was written")
+        return data
+
+    def verify(self, path: Path) -> None:
+        """Check ``path`` against its recorded digest (read in 1 MiB pieces)."""
+        f, expected = self._open_checked(path)
+        h = hashlib.sha256()
+        with f:
+            for chunk in iter(lambda: f.read(_WINDOW), b""):
+                h.update(chunk)
+        if h.hexdigest() != expected:
+            raise _damaged(self.root, f"{self.key(path)} was changed after it was written")
+
+    def rmtree(self, path: Path) -> None:
+        """Remove ``path`` (a directory below the root, not a link) and forget its files."""
+        path = Path(path).absolute()
+        if path == self.root or self.root not in path.parents:
+            raise QuantkitError(f"internal: refusing to remove {str(path)!r} outside {str(self.root)!r}")
+        if not os.path.lexists(path):
+            return
+        self.inside(path)
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise QuantkitError(f"{str(path)!r} in the progress directory is not a directory; remove "
+                                f"{str(self.root)!r} and run again")
+        shutil.rmtree(path)
+        prefix = self.key(path) + "/"
+        self.digests = {k: v for k, v in self.digests.items() if not k.startswith(prefix)}
+
+
+def _overlaps(a: Path, b: Path) -> bool:
+    """Whether one of the two resolved paths is, or lies inside, the other."""
+    a, b = Path(os.path.realpath(a)), Path(os.path.realpath(b))
+    return a == b or a in b.parents or b in a.parents
+
+
+class PartialDir:
+    """The progress directory of one output path.
+
+    It is created only where nothing exists, and reused or removed only where it holds our
+    marker (:data:`MARKER`) with this output's run id; anything else there, a link, or a path
+    that is, holds or lies inside one of ``inputs`` is refused before any work.
+    """
+
+    def __init__(self, path: Path, run_id: str, inputs: Iterable[Path] = ()) -> None:
+        self.path = Path(path).absolute()
+        self.run_id = run_id
+        self.inputs = [Path(p) for p in inputs]
+        self.ledger = Ledger(self.path)
+        self.fingerprint: dict = {}
+        self.n_blocks = 0
 
     @staticmethod
     def beside(out: Path) -> Path:
         out = Path(out).absolute()
         return out.parent / f".{out.name}.quantkit-partial"
 
-    def open(self, resume: bool) -> int:
-        """Prepare the directory; returns the last block already done (-1 for a fresh run).
+    @classmethod
+    def for_output(cls, out: Path, inputs: Iterable[Path] = ()) -> "PartialDir":
+        """The progress directory beside ``out``; its run id names the output (its resolved parent and name)."""
+        out = Path(out).absolute()
+        where = os.path.join(os.path.realpath(out.parent), out.name)
+        return cls(cls.beside(out), hashlib.sha256(os.fsencode(where)).hexdigest()[:32], inputs)
 
-        Without ``resume`` a previous partial run is discarded. With it, the run continues
-        after its last completed block.
+    def claim(self) -> None:
+        """Check that the directory is ours to use: absent, or holding our marker.
 
         Raises:
-            QuantkitError: ``resume`` and the partial run was made from other weights, another
-                recipe or other calibration data.
+            QuantkitError: it is an input (or holds or lies in one), a link, a file, or a
+                directory without our marker (nothing is touched).
         """
-        state_file = self.path / "state.json"
-        if resume and state_file.is_file():
-            try:
-                state = json.loads(state_file.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                state = None
-            if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-                raise QuantkitError(f"the partial run in {str(self.path)!r} is unreadable; run again without --resume")
-            if state.get("fingerprint") != self.fingerprint or state.get("blocks") != self.n_blocks:
-                raise QuantkitError(f"the partial run in {str(self.path)!r} was made from other weights, recipe or "
-                                    "calibration data; run again without --resume to start over")
-            return int(state.get("done", -1))
-        if self.path.exists():
-            shutil.rmtree(self.path)
-        self.path.mkdir(parents=True)
+        where = str(self.path)
+        for p in self.inputs:
+            if _overlaps(self.path, p):
+                raise QuantkitError(f"the progress directory {where!r} would overwrite the input {str(p)!r}; "
+                                    "choose another output path")
+        if os.path.islink(self.path):
+            raise QuantkitError(f"the progress directory {where!r} is a symbolic link; remove it or choose "
+                                "another output path")
+        if not os.path.lexists(self.path):
+            return
+        if not self.path.is_dir():
+            raise QuantkitError(f"{where!r} exists and is not a directory, so it cannot hold this run's progress; "
+                                "move it away or choose another output path")
+        if not self._has_marker():
+            raise QuantkitError(f"{where!r} exists and is not this run's quantkit progress directory (no marker "
+                                f"{MARKER} with its run id); move it away or choose another output path")
+
+    def _has_marker(self) -> bool:
+        try:
+            fd = os.open(self.path / MARKER, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                doc = json.loads(f.read(4096).decode("utf-8"))
+        except (OSError, ValueError):
+            return False
+        return isinstance(doc, dict) and doc.get("kind") == _KIND and doc.get("run_id") == self.run_id
+
+    def open(self, resume: bool, fingerprint: dict, n_blocks: int) -> int:
+        """Prepare the directory; returns the last block already done (-1 for a fresh run).
+
+        Without ``resume`` a previous partial run (ours) is discarded. With it, the run
+        continues after its last completed block.
+
+        Raises:
+            QuantkitError: the directory is not ours (:meth:`claim`); or ``resume`` and the
+                partial run's state is damaged, or was made from other model files, another
+                recipe, other calibration data or other versions (the message says which).
+        """
+        self.fingerprint = json.loads(json.dumps(fingerprint, default=str))  # as state.json will hold it
+        self.n_blocks = n_blocks
+        self.claim()
+        if resume and os.path.lexists(self.path / "state.json"):
+            state = self._read_state()
+            self._compare(state)
+            self.ledger.digests = dict(state["files"])
+            return state["done"]
+        if os.path.lexists(self.path):
+            shutil.rmtree(self.path)  # claim(): ours
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(self.path, 0o700)
+        self.ledger = Ledger(self.path)
+        self.ledger.save_text(json.dumps({"kind": _KIND, "run_id": self.run_id}) + "\n", self.path / MARKER,
+                              record=False)
         self._write_state(-1)
         return -1
 
+    def _read_state(self) -> dict:
+        try:
+            fd = os.open(self.path / "state.json", os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                state = json.loads(f.read().decode("utf-8"))
+        except (OSError, ValueError):
+            raise _damaged(self.path, "state.json is unreadable") from None
+        if not isinstance(state, dict):
+            raise _damaged(self.path, "state.json is not a record")
+        if state.get("version") != STATE_VERSION:
+            raise QuantkitError(f"the partial run in {str(self.path)!r} was written by another quantkit version "
+                                f"(state version {state.get('version')!r}); {_RESTART}")
+        body = {k: v for k, v in state.items() if k != "sha256"}
+        if state.get("sha256") != _record_digest(body):
+            raise _damaged(self.path, "state.json does not match its digest")
+        blocks, done, files = state.get("blocks"), state.get("done"), state.get("files")
+        if type(blocks) is not int or blocks < 1:
+            raise _damaged(self.path, f"state.json: blocks is {blocks!r}")
+        if type(done) is not int or not -1 <= done < blocks:
+            raise _damaged(self.path, f"state.json: done is {done!r}, not a block from -1 to {blocks - 1}")
+        if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) and len(v) == 64
+                                                  and set(v) <= _HEX for k, v in files.items()):
+            raise _damaged(self.path, "state.json: files is not a table of SHA-256 digests")
+        if state.get("run_id") != self.run_id or not isinstance(state.get("fingerprint"), dict):
+            raise _damaged(self.path, "state.json belongs to another run")
+        return state
+
+    def _compare(self, state: dict) -> None:
+        """Raise naming the first part of the fingerprint that differs from the partial run's."""
+        old, new = state["fingerprint"], self.fingerprint
+        for key, what in (("quantkit", "the quantkit version"), ("torch", "the torch version"),
+                          ("config.json", "config.json"), ("tokenizer", "the tokenizer files"),
+                          ("checkpoint", "the checkpoint files"), ("recipe", "the recipe"), ("task", "the task"),
+                          ("calibration", "the calibration data")):
+            if old.get(key) == new.get(key):
+                continue
+            if key in ("tokenizer", "checkpoint") and isinstance(old.get(key), dict) and isinstance(new.get(key), dict):
+                names = sorted(set(old[key]) | set(new[key]))
+                changed = [n for n in names if old[key].get(n) != new[key].get(n)]
+                what = f"{what[:-1]} {changed[0]!r}" if changed else what  # "the checkpoint file 'x'"
+            if key in ("quantkit", "torch"):
+                what = f"{what} ({old.get(key)} then, {new.get(key)} now)"
+            raise QuantkitError(f"{what} changed since the partial run in {str(self.path)!r}; {_RESTART}")
+        if old != new:
+            raise QuantkitError(f"the run's settings changed since the partial run in {str(self.path)!r}; {_RESTART}")
+        if state["blocks"] != self.n_blocks:
+            raise QuantkitError(f"the model now has {self.n_blocks} blocks, the partial run in {str(self.path)!r} "
+                                f"{state['blocks']}; {_RESTART}")
+
     def _write_state(self, done: int) -> None:
-        doc = {"version": STATE_VERSION, "fingerprint": self.fingerprint, "blocks": self.n_blocks, "done": done}
-        _atomic_text(json.dumps(doc, indent=1) + "\n", self.path / "state.json")
+        body = {"version": STATE_VERSION, "run_id": self.run_id, "fingerprint": self.fingerprint,
+                "blocks": self.n_blocks, "done": done, "files": dict(sorted(self.ledger.digests.items()))}
+        doc = {**body, "sha256": _record_digest(body)}
+        self.ledger.save_text(json.dumps(doc, indent=1) + "\n", self.path / "state.json", record=False)
 
     def block_file(self, b: int) -> Path:
         return self.path / f"block_{b:04d}.safetensors"
@@ -116,20 +432,27 @@ class PartialDir:
 
     def commit_block(self, b: int, weights: dict, observers: dict[str, torch.nn.Module]) -> None:
         """Write block ``b``'s weights and observer buffers; call :meth:`mark_done` after its activations."""
-        _atomic_save(weights, self.block_file(b))
+        self.ledger.save_tensors(weights, self.block_file(b))
         state = {f"{name}\x00{buf}": t.detach() for name, obs in observers.items()
                  for buf, t in obs.named_buffers() if isinstance(t, torch.Tensor)}
-        _atomic_save(state, self.observers_file(b))
+        self.ledger.save_tensors(state, self.observers_file(b))
 
     def mark_done(self, b: int) -> None:
         self._write_state(b)
 
+    def verify_blocks(self, done: int) -> None:
+        """Check the block and observer files of blocks 0..``done`` against their digests."""
+        for b in range(done + 1):
+            self.ledger.verify(self.block_file(b))
+            self.ledger.verify(self.observers_file(b))
+
     def restore_observers(self, done: int, observers: dict[str, torch.nn.Module]) -> None:
-        """Load the observer buffers saved by blocks 0..``done`` (a later block's copy wins)."""
-        from safetensors.torch import load_file
+        """Load the observer buffers saved by blocks 0..``done`` (a later block's copy wins), each
+        file checked against its digest first."""
+        from safetensors.torch import load
 
         for b in range(done + 1):
-            for key, t in load_file(str(self.observers_file(b))).items():
+            for key, t in load(self.ledger.read_verified(self.observers_file(b))).items():
                 name, buf = key.split("\x00", 1)
                 obs = observers[name]
                 *path, attr = buf.split(".")
@@ -137,19 +460,28 @@ class PartialDir:
                 owner._buffers[attr] = t
 
     def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+        """Delete the directory, if it is still ours (our marker, no link)."""
+        if os.path.lexists(self.path) and not os.path.islink(self.path) and self.path.is_dir() \
+                and self._has_marker():
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _record_digest(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 class ActivationCache:
     """Values handed from one block to the next, per calibration batch.
 
-    Every block's outputs are written to ``acts/<block>/`` (so that a run can resume); they
-    are also kept in memory while their total stays within ``budget`` bytes, and read back
-    from disk (memory-mapped, one batch at a time) above it.
+    Every block's outputs are written to ``acts/<block>/`` under ``root`` (so that a run can
+    resume), through ``ledger`` (the progress directory's: digests recorded, links refused);
+    they are also kept in memory while their total stays within ``budget`` bytes, and read
+    back from disk (one batch at a time, checked against their digests) above it.
     """
 
-    def __init__(self, root: Path, budget: int | None) -> None:
-        self.root = Path(root) / "acts"
+    def __init__(self, root: Path, budget: int | None, ledger: Ledger | None = None) -> None:
+        self.root = Path(root).absolute() / "acts"
+        self.ledger = ledger if ledger is not None else Ledger(Path(root))
         self.budget = budget
         self.memory: dict[int, dict] | None = {}
         self.block = -1
@@ -160,9 +492,8 @@ class ActivationCache:
     def start(self, block: int) -> None:
         """Begin collecting the outputs of ``block``."""
         d = self._dir(block)
-        if d.exists():
-            shutil.rmtree(d)
-        d.mkdir(parents=True)
+        self.ledger.rmtree(d)
+        self.ledger.makedirs(d)
         self.next_memory: dict[int, dict] | None = {}
         self.next_bytes = 0
 
@@ -175,8 +506,7 @@ class ActivationCache:
             if same is not None and values[same] is v:  # one tensor under two names (observers pass it on)
                 aliases[k] = same
                 continue
-            # safetensors stores each storage once: a view of a stored tensor is stored as a copy
-            tensors[k] = v if same is None else v.clone()
+            tensors[k] = v
             seen.setdefault(v.untyped_storage().data_ptr(), k)
         other = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
         for k, v in other.items():
@@ -184,8 +514,8 @@ class ActivationCache:
                 raise QuantkitError(f"value {k!r} crossing a block boundary is a {type(v).__name__}; "
                                     "only tensors, numbers and None can be carried; quantize this model in memory")
         d = self._dir(block)
-        _atomic_save(tensors, d / f"batch_{i:06d}.safetensors")
-        _atomic_text(json.dumps({"values": other, "aliases": aliases}), d / f"batch_{i:06d}.json")
+        self.ledger.save_tensors(tensors, d / f"batch_{i:06d}.safetensors")
+        self.ledger.save_text(json.dumps({"values": other, "aliases": aliases}), d / f"batch_{i:06d}.json")
         if self.next_memory is not None:
             self.next_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
             if self.budget is not None and self.next_bytes > self.budget:
@@ -197,8 +527,8 @@ class ActivationCache:
         """``block``'s outputs become the inputs of the next block; older ones are deleted."""
         old = self.block
         self.block, self.memory = block, self.next_memory
-        if old >= 0 and self._dir(old).exists():
-            shutil.rmtree(self._dir(old))
+        if old >= 0:
+            self.ledger.rmtree(self._dir(old))
 
     def resume(self, block: int) -> None:
         """Continue from the outputs ``block`` wrote in an earlier run (read from disk)."""
@@ -207,19 +537,11 @@ class ActivationCache:
     def get(self, i: int) -> dict:
         if self.memory is not None:
             return self.memory[i]
-        from safetensors.torch import load_file
+        from safetensors.torch import load
 
         d = self._dir(self.block)
-        values = dict(load_file(str(d / f"batch_{i:06d}.safetensors")))
-        doc = json.loads((d / f"batch_{i:06d}.json").read_text(encoding="utf-8"))
+        values = dict(load(self.ledger.read_verified(d / f"batch_{i:06d}.safetensors")))
+        doc = json.loads(self.ledger.read_verified(d / f"batch_{i:06d}.json").decode("utf-8"))
         values.update(doc["values"])
         values.update({k: values[same] for k, same in doc["aliases"].items()})
         return values
-
-
-def digest_of(*values) -> str:
-    h = hashlib.sha256()
-    for v in values:
-        fingerprint_tensors(h, v)
-    return h.hexdigest()
-

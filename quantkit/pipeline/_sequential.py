@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+from importlib import metadata
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from ._convert_groupwise import is_groupwise
 from ._meta_capture import CheckpointIndex, capture_without_weights, empty_model, index_checkpoint
 from ._partition import Block, partition, run_block
 from ._prepare import is_observer_node, prepare_in_place
-from ._seq_state import ActivationCache, PartialDir, digest_of
+from ._seq_state import ActivationCache, PartialDir, digest_of, model_files_fingerprint
 from .._qmath import is_per_channel, underlying_dtype
 
 __all__ = ["quantize_pretrained", "parse_size", "fits_in_memory", "IN_MEMORY_FACTOR"]
@@ -92,6 +93,13 @@ def _batches(calib_data) -> list:
     if not batches:
         raise QuantkitError("calibration data is empty: pass at least one representative batch")
     return batches
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _recipe_of(quantizer) -> Any:
@@ -342,32 +350,28 @@ class _Run:
     def run(self):
         import tempfile
 
-        index = index_checkpoint(self.model_dir)
-        model = empty_model(self.model_dir, self.task)
-        self.sources = _checkpoint_sources(model, index)
-        self.index = index
-        gm = capture_without_weights(model, self.batches[0], dynamic_shapes=self.dynamic_shapes)
-        del model
-        prepared = prepare_in_place(gm, self.quantizer)
-        _check_weight_observers(prepared)
-        blocks = partition(prepared)
-        self.prepared, self.blocks = prepared, blocks
-        self.observers = {str(n.target): prepared.get_submodule(str(n.target)) for n in prepared.graph.nodes
-                          if is_observer_node(n, dict(prepared.named_modules()))}
-        fingerprint = {
-            "checkpoint": {name: [os.path.getsize(self.model_dir / name), os.path.getmtime(self.model_dir / name)]
-                           for name in sorted({f for f, _, _ in index.entries.values()})},
-            "recipe": self.recipe or _recipe_of(self.quantizer), "task": self.task,
-            "calibration": digest_of(self.batches),
-        }
         tmp = None
         if self.out is not None:
-            partial = PartialDir(PartialDir.beside(Path(self.out)), fingerprint, len(blocks))
+            partial = PartialDir.for_output(Path(self.out), inputs=[self.model_dir])
+            partial.claim()  # before any work: never a directory that is not this run's
         else:
             tmp = tempfile.TemporaryDirectory(prefix="quantkit-sequential-")
-            partial = PartialDir(Path(tmp.name) / "partial", fingerprint, len(blocks))
+            partial = PartialDir(Path(tmp.name) / "partial", "in-memory")
         try:
-            done = partial.open(self.resume)
+            index = index_checkpoint(self.model_dir)
+            fingerprint = self._fingerprint(index)
+            model = empty_model(self.model_dir, self.task)
+            self.sources = _checkpoint_sources(model, index)
+            self.index = index
+            gm = capture_without_weights(model, self.batches[0], dynamic_shapes=self.dynamic_shapes)
+            del model
+            prepared = prepare_in_place(gm, self.quantizer)
+            _check_weight_observers(prepared)
+            blocks = partition(prepared)
+            self.prepared, self.blocks = prepared, blocks
+            self.observers = {str(n.target): prepared.get_submodule(str(n.target)) for n in prepared.graph.nodes
+                              if is_observer_node(n, dict(prepared.named_modules()))}
+            done = partial.open(self.resume, fingerprint, len(blocks))
             self._calibrate(partial, done)
             result = self._finish(partial)
         finally:
@@ -376,30 +380,38 @@ class _Run:
         partial.remove()
         return result
 
+    def _fingerprint(self, index: CheckpointIndex) -> dict:
+        """What a resumed run must share with the partial one: config.json, the tokenizer files and
+        the checkpoint files (digests; sampled for files over 1 GiB, see ``_seq_state.file_digest``),
+        the recipe, the task, the calibration data, and the quantkit and torch versions."""
+        return {**model_files_fingerprint(self.model_dir, {f for f, _, _ in index.entries.values()}),
+                "recipe": self.recipe or _recipe_of(self.quantizer), "task": self.task,
+                "calibration": digest_of(self.batches), "quantkit": _version("quantkit"), "torch": torch.__version__}
+
     def _calibrate(self, partial: PartialDir, done: int) -> None:
         from tqdm.auto import tqdm
 
         act_budget = None if self.budget is None else self.budget // 4
-        cache = ActivationCache(partial.path, act_budget)
+        cache = ActivationCache(partial.path, act_budget, partial.ledger)
         from ..accuracy._gptq_blocks import SequentialGPTQ  # the rounded stream, when weights ask for GPTQ
 
-        gptq = SequentialGPTQ(self.prepared, self.blocks, self.batches, partial.path, act_budget) \
-            if SequentialGPTQ.wanted(self.prepared) else None
+        gptq = SequentialGPTQ(self.prepared, self.blocks, self.batches, partial.path, act_budget,
+                              ledger=partial.ledger) if SequentialGPTQ.wanted(self.prepared) else None
         later_inputs = [set().union(*(b.inputs for b in self.blocks[i + 1:])) for i in range(len(self.blocks))]
         if done >= 0:
-            try:
-                for b in range(done + 1):
-                    if not partial.block_file(b).is_file():
-                        raise FileNotFoundError(partial.block_file(b).name)
+            try:  # every file is checked against the digest it was written with before it is used
+                partial.verify_blocks(done)
                 partial.restore_observers(done, self.observers)
                 cache.resume(done)
                 for i in range(len(self.batches) if done < len(self.blocks) - 1 else 0):  # the tail hands nothing on
                     cache.get(i)
                 if gptq is not None:
                     gptq.resume(done, partial.block_file, self.observers)
-            except Exception as exc:  # missing or foreign files: a one-line error, never a traceback
+            except QuantkitError:  # names the damaged file
+                raise
+            except Exception as exc:  # foreign contents under a recorded digest: a one-line error, never a traceback
                 raise QuantkitError(f"the partial run in {str(partial.path)!r} is damaged ({type(exc).__name__}); "
-                                    "run again without --resume") from None
+                                    "run again without --resume to start over") from None
         kill_after = os.environ.get(KILL_AFTER_ENV)
         for block in self.blocks[done + 1:]:
             self._load_weights(block)
