@@ -72,8 +72,10 @@ def test_load_errors(tmp_path):
     with pytest.raises(quantkit.QuantkitError, match="has no model.pt2"):
         quantkit.load(tmp_path)
     (tmp_path / "model.pt2").write_bytes(b"not a zip")
-    with pytest.raises(quantkit.QuantkitError, match="could not load"):
+    with pytest.raises(quantkit.QuantkitError, match="cannot be verified: there is no quantization.json"):
         quantkit.load(tmp_path)
+    with pytest.raises(quantkit.QuantkitError, match="could not load"):
+        quantkit.load(tmp_path, allow_unverified=True)
 
 
 def test_a_graph_without_capture_record_or_program_cannot_be_saved(tmp_path):

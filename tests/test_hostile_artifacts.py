@@ -378,11 +378,14 @@ def test_modified_model_pt2_is_reported(damage, saved, tmp_path):
 
 
 def test_truncated_model_pt2_without_quantization_json(saved, tmp_path):
+    """Nothing records its SHA-256: refused as unverified, and (opted in) the archive checks still run."""
     _, good, _ = saved
     (tmp_path / "model.pt2").write_bytes((good / "model.pt2").read_bytes()[:5000])
+    with pytest.raises(quantkit.QuantkitError, match=r"cannot be verified: there is no quantization.json"):
+        quantkit.load(tmp_path)
     with pytest.raises(quantkit.QuantkitError, match=r"could not load '.*model.pt2': not a .pt2 archive, or "
                                                      r"truncated \(BadZipFile\); re-create it$"):
-        quantkit.load(tmp_path)
+        quantkit.load(tmp_path, allow_unverified=True)
 
 
 def test_write_json_refuses_nan_and_inf(tmp_path):

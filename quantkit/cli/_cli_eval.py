@@ -9,7 +9,7 @@ data (loaded with transformers' own classes, never with custom code).
 from __future__ import annotations
 
 import json
-import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from ..export import _artifact
 from . import _cli_data as datasets, _cli_inputs as inputs, _cli_report as report
 from ._cli_quantize import REPORT_JSON, TOKENIZER_DIR
 from .._errors import QuantkitError
+from .._text import printable
 
 __all__ = ["run_inspect", "run_eval"]
 
@@ -27,11 +28,17 @@ def _damaged(path: Path, why: str) -> QuantkitError:
     return QuantkitError(f"{str(path)!r} is damaged: {why}; re-run quantkit quantize to rewrite the artifact")
 
 
-def _read_artifact(directory: str) -> tuple[Path, dict]:
+def _read_artifact(directory: str, args, warn) -> tuple[Path, dict]:
+    """The checked artifact at ``directory`` and its ``quantization.json``. With
+    ``--allow-unverified`` one that cannot be verified is read too, and ``warn`` says so."""
     path = Path(directory)
     if not path.is_dir():
         raise QuantkitError(f"{directory!r} is not a directory; pass the --out directory of quantkit quantize")
-    doc = _artifact.verify_artifact(path)  # both files, quantkit's format, model.pt2's SHA-256, nothing unsafe
+    # both files, quantkit's format and format_version, model.pt2's SHA-256, nothing unsafe
+    doc = _artifact.verify_artifact(path, allow_unverified=args.allow_unverified, flag="--allow-unverified")
+    reason = _artifact.unverified_reason(doc)
+    if reason is not None:
+        warn(f"quantkit: warning: {str(path)!r} is not verified ({reason}); read because of --allow-unverified")
     for key, kind in (("recipe", dict), ("source", dict), ("versions", dict), ("tensors", list)):
         if key in doc and not isinstance(doc[key], kind):
             raise _damaged(path / _artifact.RECIPE_FILE, f"field {key!r} is {type(doc[key]).__name__}, "
@@ -73,17 +80,17 @@ def _read_report(path: Path) -> dict:
     return rep
 
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\x9b]")
-
-
 def _printable(say):
-    """``say`` with control characters (terminal escapes from a hostile JSON file) shown as ``?``."""
-    return lambda text="": say(_CONTROL.sub("?", str(text)))
+    """``say`` with control characters and bidirectional overrides (from a hostile JSON file, a
+    path name, an exception) shown as escapes (``quantkit._text.printable``): a newline too,
+    so one field stays one line, unless ``block=True`` (a table, whose cells are escaped already)."""
+    return lambda text="", *, block=False: say(printable(text, newlines=block))
 
 
-def run_inspect(args, say) -> int:
+def run_inspect(args, say, warn) -> int:
+    """Print a summary of the artifact ``args.dir`` with ``say``; ``warn`` gets notes (stderr)."""
     say = _printable(say)
-    path, doc = _read_artifact(args.dir)
+    path, doc = _read_artifact(args.dir, args, _printable(warn))
     rep = _read_report(path)
     recipe, source = doc.get("recipe", {}), doc.get("source", {})
     size = (path / _artifact.MODEL_FILE).stat().st_size
@@ -129,7 +136,7 @@ def run_inspect(args, say) -> int:
                          "scale": _scale_range(t)})
         cols = ["tensor", "kind", "dtype", "scale"]
     say("")
-    say(report.render_table(rows, cols))
+    say(report.render_table(rows, cols), block=True)
     return 0
 
 
@@ -220,11 +227,12 @@ def _eval_samples(source: _Source, data_arg: str | None, example_ndims):
     return [samples[i] for i in source.heldout], [origins[i] for i in source.heldout], "held-out split"
 
 
-def _load_int8(path: Path, device: torch.device):
+def _load_int8(path: Path, device: torch.device, *, allow_unverified: bool):
     """The artifact's int8 program as a module on ``device`` (artifacts are saved for CPU)."""
-    from quantkit import load
-
-    module = load(path)  # verified and read without unpickling (quantkit.export._safe_pt2)
+    with warnings.catch_warnings():  # _read_artifact has said it is not verified
+        warnings.simplefilter("ignore", _artifact.UnverifiedWarning)
+        # verified and read without unpickling (quantkit.export._safe_pt2)
+        module = _artifact.load(path, allow_unverified=allow_unverified)
     if device.type == "cpu":
         return module
     from torch.export.passes import move_to_device_pass
@@ -278,10 +286,11 @@ def _check_eval_args(args) -> torch.device:
     return inputs.check_device(args.device)
 
 
-def run_eval(args, say) -> int:
-    say = _printable(say)
+def run_eval(args, say, warn) -> int:
+    """Compare the artifact ``args.dir`` with its float model; results go to ``say``, notes to ``warn``."""
+    say, warn = _printable(say), _printable(warn)
     device = _check_eval_args(args)
-    path, doc = _read_artifact(args.dir)
+    path, doc = _read_artifact(args.dir, args, warn)
     source = _source(path, doc)
     spec = _float_spec(args, source)
     spec.check()
@@ -302,8 +311,8 @@ def run_eval(args, say) -> int:
 
     loaded = inputs.load_model(spec, progress=progress, allow_mismatch=source.allow_missing_weights)
     if loaded.fit is not None and not loaded.fit.clean:
-        say(f"warning: the float model was rebuilt with --allow-missing-weights (as quantized): "
-            f"{loaded.fit.summary()}; those tensors are randomly initialised")
+        warn(f"quantkit: warning: the float model was rebuilt with --allow-missing-weights (as quantized): "
+             f"{loaded.fit.summary()}; those tensors are randomly initialised")
     loaded.model.to(device)
     tok_dir = path / TOKENIZER_DIR
     if loaded.tokenizer is None and tok_dir.is_dir() and samples and isinstance(samples[0], str):
@@ -316,7 +325,7 @@ def run_eval(args, say) -> int:
                                   origins=origins)
     batches = [datasets.to_device(b, device) for b in batches]
     where_of = [origins[i:i + batch_size] for i in range(0, len(origins), batch_size)]
-    qmodel = _load_int8(path, device)
+    qmodel = _load_int8(path, device, allow_unverified=args.allow_unverified)
 
     note = None
     timed = {"float (eager)": loaded.model, "int8 (q/dq reference)": qmodel}
@@ -339,7 +348,7 @@ def run_eval(args, say) -> int:
     if note:
         result["note"] = note
     if args.json:
-        say(json.dumps(report.json_safe(result), indent=2, allow_nan=False))
+        say(json.dumps(report.json_safe(result), indent=2, allow_nan=False), block=True)
         return 0
     say(f"{path}: {metric['name']} of {int8_name} against the float model on the {where} "
         f"({metric['samples']} samples" + (f", {len(bad)} non-finite left out)" if bad else ")"))
@@ -348,12 +357,12 @@ def run_eval(args, say) -> int:
     if "top1_agreement" in metric:
         row["top-1 agreement"] = metric["top1_agreement"]
         cols.append("top-1 agreement")
-    say(report.render_table([row], cols))
+    say(report.render_table([row], cols), block=True)
     say("")
     kind = "torch.compile, Inductor freezing" if result["compiled"] else "eager PyTorch"
     say(f"latency on this machine ({device}, {torch.get_num_threads()} threads, {kind}; batches interleaved):")
     say(report.render_table([{"model": k, **v} for k, v in timing.items()],
-                            ["model", "median_ms_per_batch", "samples_per_s", "batches"]))
+                            ["model", "median_ms_per_batch", "samples_per_s", "batches"]), block=True)
     say(f"int8 speedup over float: {speedup:.2f}x")
     if note:
         say(f"(compiled models not timed: {note}; timed the eager reference instead)")

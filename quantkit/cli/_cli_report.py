@@ -12,6 +12,7 @@ from torch.fx import GraphModule
 
 from .. import _hf
 from .._errors import QuantkitError
+from .._text import printable
 from ..pipeline._inputs import call_model
 from ..pipeline._scopes import module_scopes
 
@@ -312,8 +313,11 @@ def _fmt(x: Any) -> str:
 
 
 def render_table(rows: list[dict], columns: list[str]) -> str:
-    """A plain-text table (also valid Markdown)."""
-    cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
+    """A plain-text table (also valid Markdown). Cells pass through ``quantkit._text.printable``
+    (before the widths are measured): a field read from a file cannot reach the terminal as a
+    control character or bidirectional override."""
+    cells = [[printable(_fmt(r.get(c, ""))) for c in columns] for r in rows]
+    columns = [printable(c) for c in columns]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
     line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"  # noqa: E731
     return "\n".join([line(columns), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in cells])

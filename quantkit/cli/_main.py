@@ -15,6 +15,8 @@ import re
 import sys
 import warnings
 
+from .._text import printable, strip_ansi
+
 __all__ = ["main"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -40,6 +42,9 @@ def _observer_help(role: str) -> str:
         return "see quantkit.observers.available()"
 
 
+_UNVERIFIED_HELP = ("also read an artifact that cannot be verified (its quantization.json records no SHA-256 of "
+                    "model.pt2, or has an unknown format_version); a warning says so. A SHA-256 that does not "
+                    "match, and anything that could run code, are refused anyway")
 _TASKS = ("auto", "feature-extraction", "sequence-classification", "token-classification", "masked-lm", "causal-lm")
 
 
@@ -144,6 +149,7 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="print a summary table of an artifact directory")
     i.add_argument("dir", metavar="DIR")
+    i.add_argument("--allow-unverified", action="store_true", help=_UNVERIFIED_HELP)
 
     e = sub.add_parser("eval", help="compare an artifact with its float model: metric and latency",
                        description="Rebuild the float model DIR came from and compare: mean/min cosine "
@@ -171,6 +177,7 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
     comp.add_argument("--compile", dest="compile", action="store_true",
                       help="compile both models (the default; kept for old command lines)")
     e.set_defaults(compile=True)
+    e.add_argument("--allow-unverified", action="store_true", help=_UNVERIFIED_HELP)
     e.add_argument("--json", action="store_true", help="print the results as JSON")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
@@ -200,7 +207,6 @@ def _quiet_torch_logs():
             lg.setLevel(level)
 
 
-_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-_]")
 # errors of the Python API name API calls; a CLI user gets the command-line equivalent
 _CLI_WORDING = (
     (re.compile(r"run quantkit\.calibrate\(prepared, data\) before convert"),
@@ -222,8 +228,9 @@ _RAW_TYPES = re.compile(r"\b(?:[A-Za-z_][\w.]*\.)?(?:RuntimeError|IndexError|Key
 
 
 def _one_line(exc: BaseException) -> str:
-    text = _ANSI.sub("", str(exc))
-    text = " ".join(ln.strip() for ln in text.splitlines() if ln.strip())
+    text = strip_ansi(str(exc))
+    # lines joined at "\n" only: other line breaks (\r, \x85, \u2028, ...) are shown escaped
+    text = " ".join(ln.strip(" \t\r") for ln in text.split("\n") if ln.strip(" \t\r"))
     for pattern, words in _CLI_WORDING:
         text = pattern.sub(words, text)
     return _RAW_TYPES.sub("", text) or "no message"
@@ -235,16 +242,24 @@ def _run(args) -> int:
         from ._distributed import torchrun_group
 
         with torchrun_group(args):  # under torchrun: a process group; ranks other than 0 are quiet
-            return run_quantize(args, (lambda *a, **k: None) if args.quiet else print)
+            return run_quantize(args, (lambda *a, **k: None) if args.quiet else _say)
     from ._cli_eval import run_eval, run_inspect
 
-    return run_inspect(args, print) if args.command == "inspect" else run_eval(args, print)
+    return (run_inspect if args.command == "inspect" else run_eval)(args, print, _stderr_line)
+
+
+def _say(text: str = "") -> None:
+    """print() for quantize's summary: control characters and bidirectional overrides in it
+    (a path, a model name) are shown as escapes."""
+    print(printable(text, newlines=True))
 
 
 def _stderr_line(line: str) -> None:
     """One write per line: under torchrun every rank shares one stderr pipe, and print()'s separate
-    write of the newline let another rank's line land in between."""
-    sys.stderr.write(line + "\n")
+    write of the newline let another rank's line land in between. Control characters and
+    bidirectional overrides (from a path, a file, an exception) are shown as escapes, and a
+    newline inside ``line`` too, so it stays one line."""
+    sys.stderr.write(printable(line) + "\n")
     sys.stderr.flush()
 
 

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import platform
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator
@@ -35,7 +36,7 @@ from .._errors import QuantkitError
 __all__ = ["save", "load", "MODEL_FILE", "RECIPE_FILE", "FORMAT", "FORMAT_VERSION", "ARTIFACT_FILES",
            "PROGRAM_META_KEY", "RECIPE_META_KEY", "export_converted", "write_program", "recipe_document",
            "versions", "atomic_dir", "check_out_dir", "read_json", "write_json", "verify_artifact",
-           "file_sha256"]
+           "file_sha256", "unverified_reason", "UnverifiedWarning"]
 
 MODEL_FILE = "model.pt2"
 RECIPE_FILE = "quantization.json"
@@ -47,6 +48,10 @@ ARTIFACT_DIRS = frozenset({"tokenizer", "compressed-tensors"})  # the HF checkpo
 # where load() keeps the ExportedProgram and the quantization.json it read, for save() to write again
 PROGRAM_META_KEY = "quantkit_program"
 RECIPE_META_KEY = "quantkit_recipe"
+
+
+class UnverifiedWarning(UserWarning):
+    """:func:`load` with ``allow_unverified=True`` read an artifact it could not verify."""
 
 
 def versions() -> dict[str, str]:
@@ -368,23 +373,64 @@ def atomic_dir(path: str | os.PathLike, *, overwrite: bool = False, flag: str = 
         yield tmp
 
 
-def verify_artifact(path: str | os.PathLike) -> dict:
+def unverified_reason(doc: dict | None) -> str | None:
+    """Why an artifact's ``model.pt2`` cannot be verified against its ``quantization.json``;
+    None when it can.
+
+    ``format_version`` must be :data:`FORMAT_VERSION` (an int; 1 is the only version there
+    has been) and ``model_sha256`` present: without it nothing says which bytes were written,
+    and an edited or swapped ``model.pt2`` would load unnoticed. Every artifact quantkit writes
+    records it (``atomic_dir`` seals it in); only development builds of 0.1.0 from before the
+    safe loader wrote version-1 artifacts without one. Those load with ``allow_unverified=True``,
+    and :func:`save` of the loaded model writes them again with their SHA-256.
+
+    Args:
+        doc: the ``quantization.json`` document, or None when the directory has none.
+    """
+    if doc is None:
+        return f"there is no {RECIPE_FILE} recording the SHA-256 of {MODEL_FILE}"
+    version = doc.get("format_version")
+    if "format_version" not in doc:
+        return f"{RECIPE_FILE} has no format_version"
+    if type(version) is not int or version != FORMAT_VERSION:
+        return (f"{RECIPE_FILE} has format_version {_shown(version)}, which this quantkit does not read "
+                f"(it reads {FORMAT_VERSION})")
+    if doc.get("model_sha256") is None:
+        return f"{RECIPE_FILE} records no SHA-256 of {MODEL_FILE} (model_sha256)"
+    return None
+
+
+def _shown(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def verify_artifact(path: str | os.PathLike, *, allow_unverified: bool = False,
+                    flag: str = "allow_unverified=True") -> dict:
     """Check an artifact directory without loading the model; returns its ``quantization.json``.
 
-    Checks that both files exist, that ``quantization.json`` is quantkit's, that ``model.pt2``
-    has the SHA-256 recorded there, and that ``model.pt2`` holds nothing quantkit refuses to
-    load (pickled objects, code).
+    Checks that both files exist, that ``quantization.json`` is quantkit's, of a
+    ``format_version`` this quantkit reads and recording the SHA-256 of ``model.pt2``, that
+    ``model.pt2`` has that SHA-256, and that it holds nothing quantkit refuses to load
+    (pickled objects, code).
+
+    Args:
+        path: the artifact directory.
+        allow_unverified: accept an artifact whose ``format_version`` is unknown or that records
+            no SHA-256 (:func:`unverified_reason` says which); a SHA-256 that does not match is
+            refused anyway, and the archive checks still run.
+        flag: how the caller names ``allow_unverified`` in the refusal (the CLI: ``--allow-unverified``).
 
     Raises:
         QuantkitError: one line saying what is wrong.
     """
     path = Path(path)
-    doc = _checked_recipe(path)
+    doc = _checked_recipe(path, allow_unverified=allow_unverified, flag=flag)
     _safe_pt2.check_archive(path / MODEL_FILE).zf.close()
     return doc
 
 
-def _checked_recipe(path: Path) -> dict:
+def _checked_recipe(path: Path, *, allow_unverified: bool, flag: str) -> dict:
     """:func:`verify_artifact` without the archive check (``load`` gets that from ``load_program``)."""
     if not path.is_dir():
         raise QuantkitError(f"{str(path)!r} is not a directory; pass a directory written by quantkit")
@@ -393,14 +439,22 @@ def _checked_recipe(path: Path) -> dict:
     doc = read_json(path / RECIPE_FILE)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise QuantkitError(f"{str(path / RECIPE_FILE)!r} is not a quantkit quantization.json")
-    _check_digest(path / MODEL_FILE, doc)
+    _check_verified(path, doc, allow_unverified=allow_unverified, flag=flag)
+    if doc.get("model_sha256") is not None:
+        _check_digest(path / MODEL_FILE, doc)
     return doc
+
+
+def _check_verified(path: Path, doc: dict | None, *, allow_unverified: bool, flag: str) -> None:
+    reason = unverified_reason(doc)
+    if reason is not None and not allow_unverified:
+        how = "quantkit quantize" if flag.startswith("--") else "quantkit.save (or quantkit quantize)"
+        raise QuantkitError(f"{str(path)!r} cannot be verified: {reason}; re-create it with {how}, "
+                            f"or pass {flag} if you trust it")
 
 
 def _check_digest(model_file: Path, doc: dict) -> None:
     expected = doc.get("model_sha256")
-    if expected is None:  # written before quantkit recorded it
-        return
     if not isinstance(expected, str) or file_sha256(model_file) != expected.lower():
         raise QuantkitError(f"{str(model_file)!r} was modified or truncated after it was written (its SHA-256 "
                             f"does not match {RECIPE_FILE}); re-create the artifact")
@@ -439,12 +493,20 @@ def save(converted: torch.nn.Module, path: str | os.PathLike, *, overwrite: bool
     return Path(path)
 
 
-def load(path: str | os.PathLike) -> torch.nn.Module:
+def load(path: str | os.PathLike, *, allow_unverified: bool = False) -> torch.nn.Module:
     """Load a directory written by :func:`quantkit.save` (or ``quantkit quantize``).
 
     ``model.pt2`` is read without unpickling or running anything from it: archives that
-    hold pickled objects, compiled code or code-like names are refused. When
-    ``quantization.json`` is there, ``model.pt2`` must match the SHA-256 it records.
+    hold pickled objects, compiled code or code-like names are refused. It must match the
+    SHA-256 that ``quantization.json`` records, and ``quantization.json`` must be of a
+    ``format_version`` this quantkit reads.
+
+    Args:
+        path: the artifact directory.
+        allow_unverified: also load an artifact that cannot be verified: no ``quantization.json``
+            (e.g. a directory holding only a ``model.pt2`` from ``torch.export.save``), no
+            recorded SHA-256, or an unknown ``format_version``. A warning says so. The checks
+            that keep code from running, and a SHA-256 that does not match, still refuse.
 
     Returns:
         The int8 model as a callable ``torch.nn.Module`` (``ExportedProgram.module()``). Its
@@ -453,7 +515,7 @@ def load(path: str | os.PathLike) -> torch.nn.Module:
 
     Raises:
         QuantkitError: the directory or its ``model.pt2`` is missing, unreadable, modified,
-            or holds something quantkit does not load.
+            unverifiable (without ``allow_unverified``), or holds something quantkit does not load.
     """
     path = Path(path)
     if not path.is_dir():
@@ -461,8 +523,17 @@ def load(path: str | os.PathLike) -> torch.nn.Module:
     model_file = path / MODEL_FILE
     if not model_file.is_file():
         raise QuantkitError(f"{str(path)!r} has no {MODEL_FILE}; it is not a quantkit artifact")
-    doc = _checked_recipe(path) if (path / RECIPE_FILE).is_file() else None
+    flag = "allow_unverified=True"
+    if (path / RECIPE_FILE).is_file():
+        doc = _checked_recipe(path, allow_unverified=allow_unverified, flag=flag)
+    else:
+        doc = None
+        _check_verified(path, doc, allow_unverified=allow_unverified, flag=flag)
     program = _safe_pt2.load_program(model_file)  # checks the archive first
+    reason = unverified_reason(doc)
+    if reason is not None:
+        warnings.warn(f"{str(path)!r} is not verified ({reason}); loaded because allow_unverified=True",
+                      UnverifiedWarning, stacklevel=2)
     module = program.module()
     module.meta["quantkit_converted"] = True  # a q/dq graph: quantkit.compile accepts it
     module.meta[PROGRAM_META_KEY] = program
