@@ -28,8 +28,13 @@ damaged it; quietly compiling a fresh copy beside it would hide that, and nothin
 could be trusted either. The refusal is one line naming the file and the fix (delete the folder),
 and callers fall back to another kernel saying why (``int4_cpu_status()``).
 
-Not covered: another process of the same user (or root) rewriting the library between the check
-and the load; the compiler and system headers themselves.
+:func:`private_inductor_cache` gives Inductor's own code cache (the kernels ``torch.compile``
+generates for a model's graph, which it loads without any digest) a folder with the same ownership
+and permission checks, for the CLI to use when ``TORCHINDUCTOR_CACHE_DIR`` is not set.
+
+Not covered: another process of the same user (or root) rewriting a library between the check and
+the load; Inductor's generated kernels in a ``TORCHINDUCTOR_CACHE_DIR`` the user chose (checked by
+nobody); the compiler and system headers themselves.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["KernelLoadError", "KernelStatus", "cache_dir", "load", "verify", "RECORD"]
+__all__ = ["KernelLoadError", "KernelStatus", "cache_dir", "load", "verify", "private_inductor_cache", "RECORD"]
 
 RECORD = "digests.json"  # {library file name: sha256 hex} of what quantkit built here
 _LOCK = ".lock"
@@ -164,6 +169,30 @@ def _open_cache(create: bool = True) -> int | None:
         return _open_private(mid, path.name, path, create)
     finally:
         os.close(mid)
+
+
+def private_inductor_cache() -> Path:
+    """``$QUANTKIT_CACHE_DIR/inductor`` (default root ``~/.cache/quantkit``), created 0700 and checked
+    like the kernel cache (not a link, yours, not group/other-writable): a folder for
+    ``TORCHINDUCTOR_CACHE_DIR`` where the user has not set one. Inductor's default,
+    ``/tmp/torchinductor_$USER``, is made by whoever comes first and never checked, and Inductor loads
+    the libraries it finds there without a digest; in a private folder only this user can plant them.
+
+    Raises:
+        KernelLoadError: the folder is refused (one line with the reason).
+    """
+    path = cache_dir().parent.parent / "inductor"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        root_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise KernelLoadError(f"cannot create {path} ({exc.strerror}); set QUANTKIT_CACHE_DIR to a writable "
+                              "directory") from None
+    try:
+        os.close(_open_private(root_fd, path.name, path))
+    finally:
+        os.close(root_fd)
+    return path
 
 
 def _read_record(dfd: int, path: Path) -> dict[str, str]:

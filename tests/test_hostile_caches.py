@@ -257,6 +257,20 @@ def test_status_without_building_creates_nothing(tmp_path, monkeypatch, int4_gat
     assert not root.exists()
 
 
+def test_private_inductor_cache_is_created_0700_and_checked(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUANTKIT_CACHE_DIR", str(tmp_path / "root"))
+    path = _kernel_cache.private_inductor_cache()
+    assert path == tmp_path / "root" / "inductor" and (path.stat().st_mode & 0o777) == 0o700
+    os.chmod(path, 0o777)  # e.g. made by someone else's umask, or another user's planting ground
+    with pytest.raises(_kernel_cache.KernelLoadError, match="writable by group or others"):
+        _kernel_cache.private_inductor_cache()
+    os.chmod(path, 0o700)
+    path.rmdir()
+    path.symlink_to(tmp_path, target_is_directory=True)
+    with pytest.raises(_kernel_cache.KernelLoadError, match="symlink"):
+        _kernel_cache.private_inductor_cache()
+
+
 def test_refused_int4_kernel_is_reported_and_lowering_says_why(cache, tmp_path, int4_gate):
     # the int4 kernel on a CPU that could run it, with a damaged cache: no silent fallback
     (_version_dir(cache) / "digests.json").write_text("{broken")
