@@ -40,13 +40,13 @@ import torch
 
 from . import _histsearch as hs
 from ._base import QuantkitObserver
+from ._collective import EXCHANGED, collective, comm_device as _comm_device
 from ._histogram import _bin_exponent, _regrid
 from ._history import BatchHistory
 
 __all__ = ["sync", "sync_observers", "abandon", "MIN", "MAX", "SUM", "CAT", "EXCHANGED"]
 
 MIN, MAX, SUM, CAT = "min", "max", "sum", "cat"
-EXCHANGED = "quantkit_exchanged"  # set on an error every rank of the group raised (or learnt of) together
 _NONE = -(1 << 62)  # "no value" in MAX-reduced int64 vectors (no rank holds anything smaller)
 _MAXDIM = 4  # dimensions of a statistic whose shape ranks agree on
 _STATELESS = {"eps", "scale", "zero_point"}  # buffers that are configuration, not statistics
@@ -397,7 +397,8 @@ def _allreduce(entries: list[list[tuple[str, torch.Tensor]]], device, group) -> 
     for key in sorted(buckets):  # the same order on every rank
         members = buckets[key]
         flat = torch.cat([t.detach().reshape(-1).to(device) for _, _, t in members])
-        dist.all_reduce(flat, op=ops[key[0]], group=group)
+        with collective("the observer sync", group):
+            dist.all_reduce(flat, op=ops[key[0]], group=group)
         at = 0
         for i, j, t in members:
             out[i][j] = flat[at:at + t.numel()].reshape(t.shape).to(t.device)
@@ -413,13 +414,6 @@ def _encode_shape(shape) -> list[int]:
         raise ValueError(f"statistics of more than {_MAXDIM} dimensions cannot be synced, got shape {shape}")
     v = [len(shape)] + list(shape) + [0] * (_MAXDIM - len(shape))
     return v + [-x for x in v]
-
-
-def _comm_device(group) -> torch.device:
-    dist = _dist()
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def sync(prepared: torch.nn.Module, group=None) -> torch.nn.Module:
@@ -482,7 +476,8 @@ def sync_observers(observers, group=None) -> None:
     # every rank: the same observers, in the same order, and nobody failed
     sig = zlib.crc32(";".join(f"{s.name}:{s.kind}" for s in syncs).encode())
     check = torch.tensor([error is not None, len(syncs), sig, -len(syncs), -sig], dtype=torch.int64, device=device)
-    dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
+    with collective("the observer sync", group):
+        dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
     try:
         _reduce(syncs, check, error, rank, world, device, group)
     except Exception as exc:  # every rank raises here too: nobody is left waiting in this sync
@@ -498,7 +493,8 @@ def abandon(group=None) -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
     check = torch.tensor([1, 0, 0, 0, 0], dtype=torch.int64, device=_comm_device(group))
-    dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
+    with collective("the observer sync", group):
+        dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
 
 
 def _reduce(syncs: list[_Sync], check: torch.Tensor, error, rank: int, world: int, device, group) -> None:
@@ -522,7 +518,8 @@ def _reduce(syncs: list[_Sync], check: torch.Tensor, error, rank: int, world: in
             layout += slots
     if layout:
         agreed = torch.tensor(layout, dtype=torch.int64, device=device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        with collective("the observer sync", group):
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
         values = agreed.tolist()
         at, n = 0, _MAXDIM + 1
         for s in syncs:

@@ -3,7 +3,7 @@
 Every message is one line: what is wrong, then what to do about it.
 """
 
-__all__ = ["QuantkitError", "CaptureError", "CalibrationError", "ConvertError"]
+__all__ = ["QuantkitError", "CaptureError", "CalibrationError", "ConvertError", "DistributedError"]
 
 
 class QuantkitError(ValueError):
@@ -20,3 +20,7 @@ class CalibrationError(QuantkitError):
 
 class ConvertError(QuantkitError):
     """The prepared model cannot be converted (for example, it was never calibrated)."""
+
+
+class DistributedError(QuantkitError):
+    """The ranks of a distributed run disagree (weights, recipe, data), or a rank failed or stopped."""

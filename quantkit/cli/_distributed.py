@@ -5,24 +5,46 @@ torchrun) starts N copies; torchrun sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``.
 loads the model and data, and calibrates on its contiguous shard of the calibration batches
 (:func:`quantkit.shard`); :func:`quantkit.calibrate` then reduces the observers exactly, so
 every rank holds the observers of one process that calibrated on all of them. Rank 0 alone
-evaluates, writes the artifact (atomically) and prints; the other ranks exit 0 after
-converting. The process group exists from calibration on: passes over all the data before
-it (SmoothQuant, a recipe search) run on every rank alone, identically. A rank that fails during calibration makes every rank fail (the error
-flag is exchanged before the reduction); a rank that fails elsewhere is stopped by torchrun,
-and the process group's timeout (``QUANTKIT_DIST_TIMEOUT`` seconds, default 600) bounds any
-wait for a lost peer.
+evaluates, writes the artifact (atomically) and prints. The process group exists from
+calibration on: passes over all the data before it (SmoothQuant, a recipe search) run on
+every rank alone, identically.
+
+The ranks agree before they merge: at calibration every rank compares the versions, its
+recipe flags (everything on the command line but the paths, ``--out``, ``--device`` and
+``--quiet``, which may differ by rank), the prepared model's graph, observers and a SHA-256
+of every weight, and its data plan (the whole calibration set, batch by batch, and the
+shard it takes) with rank 0's (:func:`quantkit.pipeline._distributed.agree`). Any
+difference fails every rank with one line naming the rank and what differs.
+
+Every rank ends with a line of its own when one fails or stops:
+
+- a rank that fails before calibration joins the others' agreement with its error, so
+  they stop with "rank R of N failed before calibration (...)" instead of waiting;
+- a rank that fails during calibration stops every rank at that pass's exchange;
+- a rank that ends or goes silent is named by the others ("rank R of N stopped answering
+  at ..."), after at most ``QUANTKIT_DIST_TIMEOUT`` seconds (default 600) for a silent one;
+- after calibration the other ranks wait for rank 0's outcome and fail with it if it fails.
+
+Every rank's own error line starts with "rank R of N:" so that lines from a shared stderr
+can be told apart.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 
-from ._cli_inputs import UsageError
+from .._errors import DistributedError
+from ..pipeline._distributed import agreement_record, report_failure
+from quantkit.observers._collective import EXCHANGED, PEER_LOST, clean, key, store
+
+from ._cli_inputs import UsageError, is_factory_name
 
 __all__ = ["torchrun_group", "calibrate", "is_main", "rank_device", "DEFAULT_TIMEOUT_S"]
 
@@ -30,6 +52,15 @@ __all__ = ["torchrun_group", "calibrate", "is_main", "rank_device", "DEFAULT_TIM
 # calibration shards take different times (they differ by at most one batch), short
 # enough that a lost peer ends the run in minutes, not torch's default 30
 DEFAULT_TIMEOUT_S = 600.0
+# how long the other ranks wait for rank 0 to evaluate and save: no bound is known for that
+# (a large model's evaluation takes hours on a CPU); torchrun stops them if rank 0's process ends
+RESULT_WAIT = timedelta(hours=24)
+# how long a failing rank waits for the others to reach their own error line before it exits
+# (torchrun stops the remaining ranks within 0.1 s of one's exit, --monitor-interval)
+LEAVE_WAIT_S = 10.0
+# flags that may differ between ranks: paths (compared by content), where to write, output
+_PER_RANK = frozenset({"version", "command", "model", "weights", "calib", "out", "device", "force", "quiet"})
+_ABOUT_RANKS = re.compile(r"\branks?\b")
 
 
 def _timeout() -> timedelta:
@@ -38,7 +69,7 @@ def _timeout() -> timedelta:
         seconds = float(text)
     except ValueError:
         seconds = -1.0
-    if not seconds > 0:
+    if not seconds > 0 or seconds == float("inf"):
         raise UsageError(f"QUANTKIT_DIST_TIMEOUT={text!r} must be a positive number of seconds")
     return timedelta(seconds=seconds)
 
@@ -49,6 +80,7 @@ class _Launch:
     world: int
     local_rank: int
     backend: str
+    recipe: dict = field(default_factory=dict)  # the flags every rank must share
 
 
 _LAUNCH: _Launch | None = None  # set within torchrun_group
@@ -61,12 +93,30 @@ def _env_int(name: str, default: int) -> int:
         raise UsageError(f"{name}={os.environ[name]!r} is not an integer; launch with torchrun") from None
 
 
+def _recipe_flags(args) -> dict:
+    """The command line as the ranks must share it (flag → JSON value)."""
+    out = {}
+    for name, value in sorted(vars(args).items()):
+        if name in _PER_RANK:
+            continue
+        if isinstance(value, tuple):
+            value = list(value)
+        if not (value is None or isinstance(value, (bool, int, float, str, list))):
+            value = repr(value)
+        out["--" + name.replace("_", "-")] = value
+    model = getattr(args, "model", None)
+    if isinstance(model, str) and is_factory_name(model):  # a factory is code, not a path: same name
+        out["MODEL"] = model
+    return out
+
+
 @contextlib.contextmanager
 def torchrun_group(args):
     """Within: this process is one rank of a torchrun launch (more than one process); ranks other
     than 0 are made quiet. The process group itself is created by :func:`calibrate`, when the
     ranks first need each other, so that the whole-data passes before it (SmoothQuant, recipe
-    search) run on each rank alone; it is destroyed on the way out. Outside torchrun (or with
+    search) run on each rank alone; it is destroyed on the way out. An error leaving it reaches
+    the other ranks (see the module docstring) and names this rank. Outside torchrun (or with
     an initialised group already): nothing."""
     global _LAUNCH
     import torch.distributed as dist
@@ -84,31 +134,123 @@ def torchrun_group(args):
     _timeout()  # a bad QUANTKIT_DIST_TIMEOUT fails before anything loads
     cuda = str(getattr(args, "device", None) or "cpu").startswith("cuda")
     _LAUNCH = _Launch(rank=_env_int("RANK", 0), world=world, local_rank=_env_int("LOCAL_RANK", 0),
-                      backend="nccl" if cuda else "gloo")
-    if _LAUNCH.rank != 0:
+                      backend="nccl" if cuda else "gloo", recipe=_recipe_flags(args))
+    launch = _LAUNCH
+    if launch.rank != 0:
         args.quiet = True
     try:
-        yield
+        try:
+            yield
+        except Exception as exc:
+            _leave_failed(launch, exc)
+            raise
+        _leave_done(launch)
     finally:
         _LAUNCH = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
+def _name_rank(launch: _Launch, exc: BaseException) -> None:
+    """Start this rank's own error line with "rank R of N:" (lines about other ranks name them already)."""
+    if isinstance(exc, (ValueError, TypeError)) and len(exc.args) == 1 and isinstance(exc.args[0], str) \
+            and not _ABOUT_RANKS.search(exc.args[0]):
+        exc.args = (f"rank {launch.rank} of {launch.world}: {exc.args[0]}",)
+
+
+def _leave_failed(launch: _Launch, exc: Exception) -> None:
+    """This rank failed: make sure the other ranks learn of it, then wait (briefly) for them to
+    reach their own error line, since torchrun stops every rank as soon as one exits."""
+    import torch.distributed as dist
+
+    if not getattr(exc, EXCHANGED, False):
+        if not dist.is_initialized():  # before calibration: meet the others at their agreement
+            with contextlib.suppress(Exception):
+                _init(launch)
+                report_failure(exc)
+        else:  # after calibration: the others read this rank's outcome
+            _post_result(launch, clean(exc) or type(exc).__name__)
+    _name_rank(launch, exc)
+    if dist.is_initialized() and not getattr(exc, PEER_LOST, False):
+        _leave_together(launch)
+
+
+def _leave_done(launch: _Launch) -> None:
+    """This rank succeeded: rank 0 posts that it did; the others wait for rank 0's outcome."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    _post_result(launch, "")
+    if launch.rank == 0:
+        return
+    gc.collect()  # the model and its copies are garbage by now: free them while rank 0 works
+    s = store()
+    try:
+        s.wait([key("result", 0)], RESULT_WAIT)
+        outcome = s.get(key("result", 0)).decode("utf-8", "replace")
+    except Exception:  # the store (rank 0's, outside torchrun) went with rank 0
+        outcome = "its process ended before it reported"
+    if outcome:
+        err = DistributedError(f"rank 0 of {launch.world} failed after calibration ({clean(outcome)}); see its "
+                               "error (it alone evaluates and writes)")
+        _leave_together(launch)
+        raise err
+
+
+def _post_result(launch: _Launch, outcome: str) -> None:
+    s = store()
+    if s is not None:
+        with contextlib.suppress(Exception):
+            s.set(key("result", launch.rank), outcome)
+
+
+def _leave_together(launch: _Launch) -> None:
+    s = store()
+    if s is None:
+        return
+    with contextlib.suppress(Exception):
+        s.set(key("leaving", launch.rank), "1")
+        s.wait([key("leaving", r) for r in range(launch.world)],
+               timedelta(seconds=min(LEAVE_WAIT_S, _timeout().total_seconds())))
+
+
+def _init(launch: _Launch) -> None:
+    """Create the process group; a rank that does not come within the timeout is one line."""
+    import torch.distributed as dist
+
+    if launch.backend == "nccl":
+        torch.cuda.set_device(launch.local_rank)
+    timeout = _timeout()
+    try:
+        dist.init_process_group(launch.backend, timeout=timeout)
+    except RuntimeError as exc:  # DistStoreError "wait timeout ...": a rank never came
+        if not re.search(r"time[d ]?\s*out", str(exc), re.I):
+            raise
+        who = f"rank {1 - launch.rank} of 2" if launch.world == 2 else f"a rank of {launch.world}"
+        err = DistributedError(
+            f"{who} did not reach calibration within {timeout.total_seconds():g} s (it failed or stopped "
+            "before it, or is still loading); see that rank's own error or log, or raise QUANTKIT_DIST_TIMEOUT "
+            "if it is only slow; every rank stops")
+        setattr(err, EXCHANGED, True)
+        setattr(err, PEER_LOST, True)
+        raise err from None
+
+
 def calibrate(prepared, batches: list, *, progress: bool):
     """``quantkit.calibrate`` on this rank's contiguous share of ``batches`` with the exact observer
-    reduction under torchrun (the process group is created here); on one process, on all of them."""
+    reduction under torchrun (the process group is created here, and the ranks first agree on
+    their recipe, model and data); on one process, on all of them."""
     import quantkit
 
     if _LAUNCH is None:
         return quantkit.calibrate(prepared, batches, progress=progress, distributed=False)
     import torch.distributed as dist
 
-    if _LAUNCH.backend == "nccl":
-        torch.cuda.set_device(_LAUNCH.local_rank)
-    dist.init_process_group(_LAUNCH.backend, timeout=_timeout())
+    _init(_LAUNCH)
     mine = quantkit.shard(batches, dist.get_rank(), dist.get_world_size())
-    return quantkit.calibrate(prepared, mine, progress=progress, distributed=True)
+    with agreement_record({"recipe": _LAUNCH.recipe}):
+        return quantkit.calibrate(prepared, mine, progress=progress, distributed=True)
 
 
 def is_main() -> bool:

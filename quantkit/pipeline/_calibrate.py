@@ -126,7 +126,7 @@ def calibrate(prepared: GraphModule, data: Iterable, *, progress: bool = True,
     synced = use_distributed(distributed)
     # GPTQ/AWQ under a process group: their statistics synced pass by pass (accuracy/_dist_rounding)
     rounded = with_weight_algorithms(prepared, data, run, max_batches=max_batches, distributed=synced)
-    seen = calibrate_synced(prepared, rounded) if synced else rounded()
+    seen = calibrate_synced(prepared, rounded, data) if synced else rounded()
     if seen == 0:
         raise CalibrationError(
             "calibration data is empty: no batches were run; pass at least one representative batch"

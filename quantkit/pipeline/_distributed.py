@@ -6,21 +6,47 @@ flag and the batch counts, and calls :func:`quantkit.observers.sync`. The flag c
 so that a rank whose calibration raised (NaN in its shard, a bad batch) makes every rank
 fail, instead of leaving the others waiting in the observer reduction.
 
+Before any of that, :func:`agree` checks that the ranks may be merged at all: every rank
+sends a record (one exchange of bytes, no pickle) of the torch and quantkit versions, the
+prepared model (a digest of its graph code, each observer's class and configuration, a
+SHA-256 of every weight tensor) and its data plan, and every rank compares every record
+with rank 0's. The ranks legitimately calibrate on different batches, so "the same data"
+means the same plan: a shard made by :func:`quantkit.shard` remembers the whole data set
+it was cut from (a SHA-256 per batch, for lists and tuples), its rank and world size, and
+the ranks must hold the same whole data set and each take its own shard. Data that
+``shard`` did not cut is not compared (there is nothing to compare it with). The first
+difference fails every rank with one line naming the rank and what differs. A rank that
+failed before calibration joins this exchange with its error instead
+(:func:`report_failure`), so that every rank stops with a line of its own.
+
 ``quantkit.shard`` splits the calibration batches between ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import itertools
+import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
 from typing import Any, Callable
 
 import torch
+from torch.fx import GraphModule
 
-from .._errors import CalibrationError
+from quantkit.observers._collective import EXCHANGED, clean, collective, comm_device, exchange
 
-__all__ = ["shard", "use_distributed", "calibrate_synced", "on_all_ranks"]
+from .._errors import CalibrationError, DistributedError
+from ._convert import _attr
+from ._prepare import is_observer_module
+
+__all__ = ["shard", "use_distributed", "calibrate_synced", "on_all_ranks", "agree", "agreement_record",
+           "report_failure"]
+
+AGREEMENT = "the agreement before calibration"  # the stage's name in errors
 
 
 def _initialised() -> bool:
@@ -47,15 +73,23 @@ def use_distributed(distributed) -> bool:
     return dist.get_world_size() > 1
 
 
-def calibrate_synced(prepared: torch.nn.Module, run: Callable[[], int]) -> int:
-    """Run this rank's calibration (``run()`` returns its batch count), exchange failure flags
-    and counts, then sync the observers; returns the batch count over all ranks.
+def calibrate_synced(prepared: torch.nn.Module, run: Callable[[], int], data: Any = None) -> int:
+    """Check that the ranks agree (:func:`agree`), run this rank's calibration (``run()``
+    returns its batch count), exchange failure flags and counts, then sync the observers;
+    returns the batch count over all ranks.
+
+    Args:
+        prepared: the prepared model (its weights, graph and observers are compared).
+        run: this rank's pass over its shard.
+        data: the shard ``run`` calibrates on (its plan is compared when :func:`shard` made it).
 
     Raises:
-        the rank's own error where it failed; CalibrationError naming the failed rank elsewhere.
+        the rank's own error where it failed; CalibrationError naming the failed rank elsewhere;
+        DistributedError where the ranks disagree, or a rank failed before or stopped.
     """
     from quantkit.observers._sync import sync
 
+    agree(prepared, data)
     return on_all_ranks(run, lambda: sync(prepared))
 
 
@@ -66,25 +100,28 @@ def on_all_ranks(run: Callable[[], int], then: Callable[[], Any] | None = None) 
 
     Every rank makes the same collectives in the same order whatever fails: each pass of a
     multi-pass calibration (AWQ, the calibration pass, each GPTQ block) goes through this, so
-    a rank that fails in one pass stops every rank at that pass's exchange.
+    a rank that fails in one pass stops every rank at that pass's exchange. An error that every
+    rank already learnt of together inside ``run()`` (a nested pass's exchange) is raised at
+    once: the rank that failed first made one exchange for it, not two.
 
     Raises:
         the rank's own error where it failed; CalibrationError naming the failed rank elsewhere.
     """
     import torch.distributed as dist
 
-    from quantkit.observers._sync import EXCHANGED, _comm_device
-
     rank, world = dist.get_rank(), dist.get_world_size()
     error, seen = None, 0
     try:
         seen = run()
     except Exception as exc:  # every rank must learn of it before anyone enters the reduction
+        if getattr(exc, EXCHANGED, False):
+            raise
         error = exc
     flags = torch.zeros(world, 2, dtype=torch.int64)
     flags[rank, 0], flags[rank, 1] = int(error is not None), seen
-    flags = flags.to(_comm_device(None))
-    dist.all_reduce(flags)
+    flags = flags.to(comm_device(None))
+    with collective("the exchange after a calibration pass"):
+        dist.all_reduce(flags)
     flags = flags.cpu()
     if error is not None:
         setattr(error, EXCHANGED, True)
@@ -98,6 +135,279 @@ def on_all_ranks(run: Callable[[], int], then: Callable[[], Any] | None = None) 
     if then is not None:
         then()
     return int(flags[:, 1].sum())
+
+
+# --- the agreement before calibration ----------------------------------------------------------
+
+_EXTRA: list[dict] = [{}]  # sections agree() also compares (the CLI's recipe flags), within agreement_record
+# observer attributes that are configuration (compared), not statistics (which differ by rank)
+_OBSERVER_CONFIG = ("dtype", "qscheme", "quant_min", "quant_max", "ch_axis", "is_dynamic", "reduce_range", "method",
+                    "bins", "averaging_constant", "group_size", "percentile", "symmetric", "granularity",
+                    "target_dtype", "mapping_type", "block_size", "eps")
+
+
+@contextlib.contextmanager
+def agreement_record(extra: dict[str, dict]):
+    """Within: :func:`agree` also compares ``extra`` (``{section: {field: JSON value}}``), e.g.
+    ``{"recipe": {"--observer": "mse"}}``: the first differing field is named in the error."""
+    before = _EXTRA[0]
+    _EXTRA[0] = {**before, **extra}
+    try:
+        yield
+    finally:
+        _EXTRA[0] = before
+
+
+def _versions() -> dict[str, str]:
+    try:
+        quantkit = metadata.version("quantkit")
+    except metadata.PackageNotFoundError:  # a source tree on sys.path
+        quantkit = "unknown"
+    return {"torch": torch.__version__, "quantkit": quantkit}
+
+
+def _tensor_digest(t: torch.Tensor) -> str:
+    h = hashlib.sha256(f"{t.dtype}:{tuple(t.shape)}:".encode())
+    t = t.detach()
+    try:
+        flat = t.cpu().contiguous().reshape(-1).view(torch.uint8)
+        h.update(memoryview(flat.numpy()))
+    except (RuntimeError, TypeError, NotImplementedError):  # no raw bytes (quantized, sparse): the values
+        h.update(repr(t.cpu().tolist()).encode())
+    return h.hexdigest()
+
+
+def _digests(named: list[tuple[str, torch.Tensor]]) -> list[list[str]]:
+    # hashlib drops the GIL on large buffers: tensors hash in parallel
+    with ThreadPoolExecutor(max_workers=max(1, min(8, torch.get_num_threads()))) as pool:
+        return [[n, d] for n, d in zip([n for n, _ in named], pool.map(_tensor_digest, [t for _, t in named]))]
+
+
+def _weights(prepared: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The model's own tensors (parameters, buffers, constants), observers' state left out."""
+    out, seen, observers = [], set(), []
+    for name, m in prepared.named_modules():
+        if any(name.startswith(o + ".") for o in observers):
+            continue
+        if name and is_observer_module(m):
+            observers.append(name)
+            continue
+        for n, t in itertools.chain(m._parameters.items(), m._buffers.items()):
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                out.append((f"{name}.{n}" if name else n, t))
+    if isinstance(prepared, GraphModule):
+        for node in prepared.graph.nodes:
+            if node.op == "get_attr":
+                t = _attr(prepared, str(node.target))
+                if isinstance(t, torch.Tensor) and id(t) not in seen:
+                    seen.add(id(t))
+                    out.append((str(node.target), t))
+    return out
+
+
+def _config_value(v) -> str | None:
+    if isinstance(v, torch.Tensor):
+        return repr(v.tolist()) if v.numel() <= 16 else None
+    if v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.qscheme)) or hasattr(v, "value"):
+        return repr(v)
+    return None
+
+
+def _observers(prepared: torch.nn.Module) -> list[list[str]]:
+    out = []
+    for name, m in prepared.named_modules():
+        if name and is_observer_module(m):
+            values = [(a, _config_value(getattr(m, a))) for a in _OBSERVER_CONFIG if hasattr(m, a)]
+            config = [f"{a}={v}" for a, v in values if v is not None]
+            out.append([name, f"{type(m).__name__}({', '.join(config)})"])
+    return out
+
+
+def _batch_digest(batch) -> str:
+    h = hashlib.sha256()
+
+    def feed(x) -> None:
+        if isinstance(x, torch.Tensor):
+            h.update(_tensor_digest(x).encode())
+        elif isinstance(x, Mapping):
+            h.update(b"{")
+            for k in sorted(x, key=str):
+                h.update(repr(k).encode())
+                feed(x[k])
+            h.update(b"}")
+        elif isinstance(x, (list, tuple)):
+            h.update(f"[{len(x)}".encode())
+            for item in x:
+                feed(item)
+            h.update(b"]")
+        else:
+            h.update(repr(x).encode())
+
+    feed(batch)
+    return h.hexdigest()
+
+
+class _Plan:
+    """What a :func:`shard` result was cut from: the whole data set, its length, rank and world."""
+
+    def __init__(self, source, n: int, rank: int, world: int) -> None:
+        self.source, self.n, self.rank, self.world = source, n, rank, world
+
+    def record(self) -> dict:
+        digests = [_batch_digest(b) for b in self.source] if isinstance(self.source, (list, tuple)) else None
+        return {"rank": self.rank, "world": self.world, "batches": self.n, "digests": digests}
+
+
+class _ShardList(list):
+    """A list of this rank's batches that remembers its :class:`_Plan` (pickled as a plain list)."""
+
+    quantkit_plan: _Plan | None = None
+
+    def __reduce__(self):
+        return (list, (list(self),))
+
+
+class _ShardTuple(tuple):
+    quantkit_plan: _Plan | None = None
+
+    def __reduce__(self):
+        return (tuple, (tuple(self),))
+
+
+def _model_record(prepared: torch.nn.Module) -> dict:
+    code = prepared.code if isinstance(prepared, GraphModule) else repr(prepared)
+    return {"graph": hashlib.sha256(code.encode()).hexdigest(), "observers": _observers(prepared),
+            "weights": _digests(_weights(prepared))}
+
+
+def _exchange(record: dict) -> list[dict]:
+    blobs = exchange(json.dumps(record, sort_keys=True).encode(), stage=AGREEMENT)
+    out = []
+    for blob in blobs:
+        try:
+            rec = json.loads(blob)
+        except ValueError:
+            rec = None
+        out.append(rec if isinstance(rec, dict) else {"failed": "its agreement record is unreadable"})
+    return out
+
+
+def report_failure(exc: BaseException) -> None:
+    """For a rank that failed before calibration while the other ranks go on to it: join their
+    agreement (:func:`agree`) with this rank's error, so that they stop with a line naming this
+    rank instead of waiting for it. Every rank of the default group must be on its way there."""
+    _exchange({"failed": clean(exc) or type(exc).__name__})
+
+
+def agree(prepared: torch.nn.Module, data: Any = None) -> None:
+    """Fail every rank, with one line naming the rank and what differs, unless all ranks run the
+    same versions with the same prepared model (graph, observers, weights), the same extra
+    sections (:func:`agreement_record`), and, for shards made by :func:`shard`, the same whole
+    data set with each rank on its own shard. One exchange; every rank of the default group
+    must call it.
+
+    Raises:
+        DistributedError: a difference, or a rank that failed before calibration.
+    """
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    error = None
+    try:
+        plan = getattr(data, "quantkit_plan", None)
+        record = {"versions": _versions(), **_EXTRA[0], "model": _model_record(prepared),
+                  "data": plan.record() if isinstance(plan, _Plan) else None}
+    except Exception as exc:  # the other ranks must still learn of it
+        error, record = exc, {"failed": clean(exc) or type(exc).__name__}
+    records = _exchange(record)
+    if error is not None:
+        setattr(error, EXCHANGED, True)
+        raise error
+    why = _disagreement(records, world)
+    if why is not None:
+        err = DistributedError(why)
+        setattr(err, EXCHANGED, True)
+        raise err
+
+
+def _short(digest) -> str:
+    return str(digest)[:12]
+
+
+def _first_difference(mine: list, ref: list, what: str, r: int) -> str | None:
+    """Named entries ``[[name, value], ...]``: the first that differs, is missing or is extra."""
+    mine_d, ref_d = dict(map(tuple, mine)), dict(map(tuple, ref))
+    for name, value in ref:
+        if name not in mine_d:
+            return f"rank {r} has no {what} {clean(name, 80)!r} that rank 0 has"
+        if mine_d[name] != value:
+            n = sum(1 for k, v in ref_d.items() if mine_d.get(k) != v)
+            return (f"{clean(name, 80)} is {clean(_short(mine_d[name]) if what == 'tensor' else mine_d[name], 120)} "
+                    f"vs {clean(_short(value) if what == 'tensor' else value, 120)} on rank 0"
+                    + (f" ({n} of {len(ref)} {what}s differ)" if n > 1 else ""))
+    extra = [name for name, _ in mine if name not in ref_d]
+    return f"rank {r} has {what} {clean(extra[0], 80)!r} that rank 0 lacks" if extra else None
+
+
+def _disagreement(records: list[dict], world: int) -> str | None:
+    for r, rec in enumerate(records):
+        if "failed" in rec:
+            return f"rank {r} of {world} failed before calibration ({clean(rec['failed'])}); every rank stops"
+    ref = records[0]
+    for r in range(1, world):
+        rec = records[r]
+        for k in ("torch", "quantkit"):
+            a, b = rec.get("versions", {}).get(k), ref.get("versions", {}).get(k)
+            if a != b:
+                return (f"rank {r} runs {k} {clean(a, 40)}, rank 0 runs {clean(b, 40)}; install the same versions "
+                        "on every rank")
+        for section in sorted(set(rec) | set(ref)):
+            if section in ("versions", "model", "data"):
+                continue
+            mine, theirs = rec.get(section) or {}, ref.get(section) or {}
+            for field in sorted(set(mine) | set(theirs)):
+                if mine.get(field) != theirs.get(field):
+                    return (f"rank {r}'s {section} differs from rank 0's: {clean(field, 60)} "
+                            f"{clean(json.dumps(mine.get(field)), 80)} vs {clean(json.dumps(theirs.get(field)), 80)}; "
+                            f"run every rank with the same {section}")
+        model, model0 = rec.get("model") or {}, ref.get("model") or {}
+        why = _first_difference(model.get("observers", []), model0.get("observers", []), "observer", r)
+        if why is not None:
+            return (f"rank {r}'s quantization recipe differs from rank 0's: {why}; prepare the same model with the "
+                    "same quantizer on every rank")
+        if model.get("graph") != model0.get("graph"):
+            return (f"rank {r}'s model graph differs from rank 0's (graph code {_short(model.get('graph'))} vs "
+                    f"{_short(model0.get('graph'))}); capture the same model the same way on every rank")
+        why = _first_difference(model.get("weights", []), model0.get("weights", []), "tensor", r)
+        if why is not None:
+            return (f"rank {r}'s model weights differ from rank 0's: {why} (sha256); load the same checkpoint "
+                    "on every rank")
+    return _data_disagreement(records, world)
+
+
+def _data_disagreement(records: list[dict], world: int) -> str | None:
+    plans = [rec.get("data") for rec in records]
+    for r, plan in enumerate(plans):
+        if plan and (plan.get("rank"), plan.get("world")) != (r, world):
+            return (f"rank {r} of {world} calibrates on shard {plan.get('rank')} of {plan.get('world')}; let "
+                    "quantkit.shard(data) choose each rank's own shard")
+    ref = plans[0]
+    for r in range(1, world):
+        plan = plans[r]
+        if not (plan and ref):
+            continue
+        if plan.get("batches") != ref.get("batches"):
+            return (f"rank {r}'s calibration data differs from rank 0's: {plan.get('batches')} batches vs "
+                    f"{ref.get('batches')}; give every rank the same data set (each calibrates on its own shard)")
+        mine, theirs = plan.get("digests"), ref.get("digests")
+        if mine is not None and theirs is not None and mine != theirs:
+            bad = [i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b]
+            i = bad[0] if bad else 0
+            return (f"rank {r}'s calibration data differs from rank 0's: batch {i} of {len(theirs)} is "
+                    f"{_short(mine[i])} vs {_short(theirs[i])} (sha256; {len(bad)} batches differ); give every rank "
+                    "the same data set (each calibrates on its own shard)")
+    return None
 
 
 def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -150,10 +460,13 @@ def shard(data: Iterable, rank: int | None = None, world_size: int | None = None
         return itertools.islice(iter(data), rank, None, world)
     start, stop = rank * n // world, (rank + 1) * n // world
     if isinstance(data, (list, tuple)):
-        return data[start:stop]
-    if isinstance(data, Sequence) or hasattr(data, "__getitem__"):
+        part = (_ShardTuple if isinstance(data, tuple) else _ShardList)(data[start:stop])
+    elif isinstance(data, Sequence) or hasattr(data, "__getitem__"):
         try:
-            return [data[i] for i in range(start, stop)]
+            part = _ShardList(data[i] for i in range(start, stop))
         except (KeyError, TypeError):
-            pass
-    return itertools.islice(iter(data), start, stop)
+            return itertools.islice(iter(data), start, stop)
+    else:
+        return itertools.islice(iter(data), start, stop)
+    part.quantkit_plan = _Plan(data, n, rank, world)  # what agree() compares between the ranks
+    return part
