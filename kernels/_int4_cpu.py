@@ -275,6 +275,9 @@ def _loaded() -> tuple[tuple | None, KernelStatus]:
         kernels = (load("int4_linear_cpu", _GEMV_ARGS, _SOURCE), load("int4_decode_cpu", _DECODE_ARGS, _DECODE_SOURCE))
     except KernelLoadError as exc:
         return None, KernelStatus(KERNEL, False, str(exc), fault=True)
+    except Exception as exc:  # noqa: BLE001  Inductor internals of another torch release: a reason, not a crash
+        text = " ".join(str(exc).split())[:200]
+        return None, KernelStatus(KERNEL, False, f"building it failed ({type(exc).__name__}: {text})", fault=True)
     return kernels, KernelStatus(KERNEL, True, f"built and verified in {cache_dir()}")
 
 

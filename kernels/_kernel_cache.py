@@ -293,8 +293,10 @@ def _build(name: str, code: str) -> bytes:
 def _import(module_name: str, fd: int, path: Path) -> Callable:
     """Load the library open at ``fd`` as a Python extension; its ``kernel`` function."""
     # what Inductor's CppPythonBindingsCodeCache._load_library_inner sets before loading a binding
-    os.environ["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = str(
-        torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr)
+    # (torch 2.6+; earlier bindings do not read it)
+    ptr = getattr(torch._C._dynamo.guards, "_torchinductor_pyobject_tensor_data_ptr", None)
+    if ptr is not None:
+        os.environ["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = str(ptr)
     origin = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else str(path)
     loader = importlib.machinery.ExtensionFileLoader(module_name, origin)
     spec = importlib.util.spec_from_file_location(module_name, origin, loader=loader)
