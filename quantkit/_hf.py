@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ._errors import QuantkitError
+from ._sizing import available_memory, check_config
 
 __all__ = [
     "default_model_path",
@@ -190,12 +191,15 @@ def load_hf_checkpoint(path: str | os.PathLike, *, task: str = "auto", progress:
         ``(model, tokenizer or None, LoadReport)``; the model is in eval mode.
 
     Raises:
-        QuantkitError: bad directory or weights, or (without ``allow_mismatch``) a
+        QuantkitError: bad directory or weights, a config.json whose sizes do not fit the
+            checkpoint or this machine's memory (checked before anything is built, see
+            :func:`quantkit._sizing.check_config`), or (without ``allow_mismatch``) a
             checkpoint whose tensors do not fit the class: the message names the first few
             and counts them.
     """
     path = Path(path)
     check_hf_dir(path)
+    check_config(path, allow_missing=allow_mismatch, memory=available_memory())
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
 
@@ -260,9 +264,14 @@ def load_hf_model(path: str | os.PathLike, *, progress: bool = True, task: str =
 def check_hf_dir(path: str | os.PathLike) -> None:
     """Cheap checks of an HF model directory, without loading it.
 
+    config.json's size fields are checked too, as ``--allow-missing-weights`` would let
+    them through (types, and no width beyond the checkpoint's tensors; the strict check
+    against the checkpoint runs where the model is built).
+
     Raises:
-        QuantkitError: a missing directory, no config.json, no weights, or a safetensors
-            file whose header or first tensor cannot be read — each with a one-line message.
+        QuantkitError: a missing directory, no config.json, no weights, a safetensors
+            file whose header or first tensor cannot be read, or an impossible size in
+            config.json — each with a one-line message.
     """
     path = Path(path)
     if not path.exists():
@@ -277,6 +286,7 @@ def check_hf_dir(path: str | os.PathLike) -> None:
     for w in weights:
         if w.suffix == ".safetensors":
             check_safetensors(w)
+    check_config(path, allow_missing=True)
 
 
 def check_safetensors(path: str | os.PathLike) -> None:

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import torch
 
 from .._errors import CaptureError, QuantkitError
+from .._sizing import DTYPE_BYTES, check_config, checkpoint_shapes
 from ._capture import CAPTURE_META_KEY, capture
 
 __all__ = ["empty_model", "fake_parameters", "fake_inputs", "capture_without_weights", "CheckpointIndex",
@@ -46,11 +47,15 @@ def _parameters_on_meta() -> Iterator[None]:
 
 def empty_model(model_dir: str | os.PathLike, task: str = "auto") -> torch.nn.Module:
     """The model class of ``model_dir`` (see :func:`quantkit._hf.model_class`) built from its
-    config.json with parameters on the meta device; in eval mode.
+    config.json with parameters on the meta device; in eval mode. config.json's sizes are
+    checked against the checkpoint first (:func:`quantkit._sizing.check_config`): a config
+    with layers or rows the checkpoint does not have is refused before anything is built.
 
     Raises:
-        QuantkitError: no usable config.json or architecture (one line).
+        QuantkitError: no usable config.json or architecture, or sizes that do not fit the
+            checkpoint (one line).
     """
+    check_config(model_dir)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
 
@@ -134,11 +139,7 @@ class CheckpointIndex:
     entries: dict[str, tuple[str, tuple[int, ...], str]]
 
     def total_bytes(self) -> int:
-        return sum(_numel(shape) * _DTYPE_BYTES.get(dtype, 4) for _, shape, dtype in self.entries.values())
-
-
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+        return sum(_numel(shape) * DTYPE_BYTES.get(dtype, 4) for _, shape, dtype in self.entries.values())
 
 
 def _numel(shape) -> int:
@@ -155,26 +156,9 @@ def index_checkpoint(model_dir: str | os.PathLike) -> CheckpointIndex:
         QuantkitError: no safetensors file (a ``pytorch_model.bin`` checkpoint cannot be
             streamed), an unreadable file, or a tensor stored in two files.
     """
-    from safetensors import safe_open
-
     directory = Path(model_dir)
-    files = sorted(p for p in directory.iterdir() if p.suffix == ".safetensors" and p.is_file())
-    if not files:
+    shapes = checkpoint_shapes(directory)
+    if shapes is None:
         raise QuantkitError(f"{str(directory)!r} has no .safetensors weights; block-by-block quantization reads "
                             "safetensors only, re-save the model with save_pretrained(safe_serialization=True)")
-    entries: dict[str, tuple[str, tuple[int, ...], str]] = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    sl = f.get_slice(key)
-                    if key in entries:
-                        raise QuantkitError(f"tensor {key!r} is stored in both {entries[key][0]!r} and "
-                                            f"{path.name!r}; remove the stale file")
-                    entries[key] = (path.name, tuple(int(s) for s in sl.get_shape()), str(sl.get_dtype()))
-        except QuantkitError:
-            raise
-        except Exception as exc:
-            raise QuantkitError(f"{str(path)!r} is not a valid safetensors file ({type(exc).__name__}); "
-                                "re-download or re-save the weights") from None
-    return CheckpointIndex(directory, entries)
+    return CheckpointIndex(directory, {k: (t.file, t.shape, t.dtype) for k, t in shapes.items()})
