@@ -22,11 +22,13 @@ import torch
 
 from quantkit._errors import DistributedError
 
-__all__ = ["EXCHANGED", "PEER_LOST", "collective", "exchange", "comm_device", "store", "key", "missing_ranks", "clean"]
+__all__ = ["EXCHANGED", "PEER_LOST", "collective", "timeout_hint", "exchange", "comm_device", "store", "key", "missing_ranks", "clean"]
 
 EXCHANGED = "quantkit_exchanged"  # set on an error every rank of the group raised (or learnt of) together
 PEER_LOST = "quantkit_peer_lost"  # set (with EXCHANGED) on an error about a rank that is gone or silent
 _ENTERED = [0]  # exchanges this process has entered (the marker it leaves in the store)
+# what a user does about a peer that is only slow; the CLI names its own setting (timeout_hint)
+_HINT = ["give init_process_group a longer timeout"]
 # what a peer that is gone or silent looks like in gloo's and NCCL's errors
 _GONE = re.compile(r"closed by peer|reset by peer|broken pipe|connection refused|socket closed|"
                    r"NCCL communicator was aborted|remote process exited", re.I)
@@ -65,7 +67,7 @@ def clean(text: str, limit: int = 300) -> str:
     """One printable line of at most ``limit`` characters (a peer's text reaches a terminal)."""
     text = "".join(ch if ch.isprintable() else " " for ch in str(text))
     text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit - 1] + "…"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _mark(rank: int) -> None:
@@ -109,11 +111,23 @@ def _peer_failure(exc: BaseException) -> str | None:
     dist = _dist()
     text = str(exc)
     if _GONE.search(text):
-        return "its process ended or lost its connection"
+        return "its process ended or lost its connection; see that rank's own error or log"
     if _SILENT.search(text) or isinstance(exc, getattr(dist, "DistStoreError", ())):
         waited = _WAITED_MS.search(text)
-        return f"no answer within {int(waited.group(1)) / 1000:g} s" if waited else "no answer in time"
+        within = f"no answer within {int(waited.group(1)) / 1000:g} s" if waited else "no answer in time"
+        return f"{within}; see whether that rank is stuck or stopped, or {_HINT[0]} if it is only slow"
     return None
+
+
+@contextlib.contextmanager
+def timeout_hint(text: str):
+    """Within: errors about a silent rank end with ``text`` (how to allow it more time)."""
+    before = _HINT[0]
+    _HINT[0] = text
+    try:
+        yield
+    finally:
+        _HINT[0] = before
 
 
 @contextlib.contextmanager
@@ -133,10 +147,7 @@ def collective(stage: str, group=None):
         why = _peer_failure(exc)
         if why is None:
             raise
-        err = DistributedError(
-            f"{_who(rank, world)} stopped answering at {stage} ({why}); see that rank's own error or log "
-            "(it failed, was killed or is stuck); if it is only slow, allow a longer process-group timeout "
-            "(QUANTKIT_DIST_TIMEOUT for quantkit quantize); every rank stops")
+        err = DistributedError(f"{_who(rank, world)} stopped answering at {stage} ({why}); every rank stops")
         setattr(err, EXCHANGED, True)
         setattr(err, PEER_LOST, True)
         raise err from None

@@ -10,6 +10,7 @@ differs, a non-zero exit, the inputs unchanged and nothing written.
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -28,11 +29,12 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.dis
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 4  # QUANTKIT_DIST_TIMEOUT in these runs: a silent rank is named after 4 s, not 600
 
-# rank 0 takes "A", rank 1 "B" from each "A@@B" argument; QK_FAULT injects a fault on rank 1
+# rank 0 takes "A", rank 1 "B" from each "A@@B" argument; QK_FAULT ("RANK:what") injects a fault
 LAUNCHER = '''
 import os, sys, time
 rank = int(os.environ["RANK"])
-fault = os.environ.get("QK_FAULT", "") if rank == 1 else ""
+where, _, fault = os.environ.get("QK_FAULT", "").partition(":")
+fault = fault if where == str(rank) else ""
 if fault == "never-starts":
     sys.exit(0)
 if fault in ("exits-in-calibration", "hangs-in-calibration"):
@@ -44,6 +46,14 @@ if fault in ("exits-in-calibration", "hangs-in-calibration"):
         time.sleep(120)
 
     calibrate.call_model = call_model
+if fault == "fails-writing":
+    from quantkit._errors import QuantkitError
+    from quantkit.export import _artifact
+
+    def write_program(program, directory):
+        raise QuantkitError("no space left on the device holding --out (simulated)")
+
+    _artifact.write_program = write_program
 from quantkit.cli import main
 sys.exit(main([a.split("@@")[rank] if "@@" in a else a for a in sys.argv[1:]]))
 '''
@@ -183,7 +193,7 @@ def test_nan_sample_on_one_rank_gives_every_rank_a_line(inputs, tmp_path):
 
 def test_a_rank_that_ends_during_calibration_is_named(inputs, tmp_path):
     before = _hashes(inputs)
-    rc, errs, out, seconds = _run(inputs, tmp_path, fault="exits-in-calibration")
+    rc, errs, out, seconds = _run(inputs, tmp_path, fault="1:exits-in-calibration")
     assert rc != 0
     assert not _quantkit_lines(errs[1]), errs[1]  # rank 1 ended without a word (os._exit)
     zero = _check_failed(inputs, rc, errs[:1], out, before)[0]
@@ -194,7 +204,7 @@ def test_a_rank_that_ends_during_calibration_is_named(inputs, tmp_path):
 
 def test_a_rank_that_hangs_during_calibration_is_named_after_the_timeout(inputs, tmp_path):
     before = _hashes(inputs)
-    rc, errs, out, seconds = _run(inputs, tmp_path, fault="hangs-in-calibration")
+    rc, errs, out, seconds = _run(inputs, tmp_path, fault="1:hangs-in-calibration")
     zero = _check_failed(inputs, rc, errs[:1], out, before)[0]
     assert "rank 1 of 2 stopped answering at the exchange after a calibration pass" in zero, zero
     assert f"no answer within {TIMEOUT_S} s" in zero and "QUANTKIT_DIST_TIMEOUT" in zero, zero
@@ -206,8 +216,80 @@ def test_a_rank_that_hangs_during_calibration_is_named_after_the_timeout(inputs,
 
 def test_a_rank_that_never_starts_is_named_after_the_timeout(inputs, tmp_path):
     before = _hashes(inputs)
-    rc, errs, out, seconds = _run(inputs, tmp_path, fault="never-starts")
+    rc, errs, out, seconds = _run(inputs, tmp_path, fault="1:never-starts")
     zero = _check_failed(inputs, rc, errs[:1], out, before)[0]
     assert f"rank 1 of 2 did not reach calibration within {TIMEOUT_S} s" in zero, zero
     assert "unexpected failure" not in zero and "wait timeout" not in zero, zero
     assert seconds < 90, seconds
+
+
+def test_rank_0_failing_to_write_fails_the_other_ranks_too(inputs, tmp_path):
+    """Rank 0 alone writes, after calibration: the other ranks wait for its outcome."""
+    before = _hashes(inputs)
+    rc, errs, out, seconds = _run(inputs, tmp_path, fault="0:fails-writing")
+    zero, one = _check_failed(inputs, rc, errs, out, before)
+    assert zero == "quantkit: error: rank 0 of 2: no space left on the device holding --out (simulated)", zero
+    assert one.startswith("quantkit: error: rank 0 of 2 failed after calibration (no space left"), one
+    assert seconds < 60, seconds
+
+
+# --- the Python API: quantkit.calibrate under an initialised process group -----------------------
+
+@pytest.fixture(scope="module")
+def api_ranks(tmp_path_factory):
+    """Two forked gloo ranks calibrate a tiny captured model, once per disagreement."""
+    import quantkit
+    from quantkit.quantizers import QuantConfig, W8A8Quantizer
+    from tests.dist_factories import sqrt_mlp
+    from tests.test_distributed import run_ranks
+
+    gm = quantkit.capture(sqrt_mlp().eval(), (torch.rand(4, 16),))
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.rand(4, 16, generator=g),) for _ in range(5)]
+
+    def prepared(observer="minmax"):
+        return quantkit.prepare(gm, W8A8Quantizer(QuantConfig(act_observer=observer)))
+
+    def outcome(fn) -> str:
+        try:
+            fn()
+            return "ok"
+        except Exception as exc:  # noqa: BLE001 (type and message are checked by the tests)
+            return f"{type(exc).__name__}: {exc}"
+
+    def work(rank: int) -> dict:
+        res = {}
+        p = quantkit.prepare(copy.deepcopy(gm), W8A8Quantizer(QuantConfig()))  # prepare shares gm's weights
+        if rank == 1:
+            with torch.no_grad():
+                p.fc1.weight[3, 4] += 1.0
+        res["weights"] = outcome(lambda: quantkit.calibrate(p, quantkit.shard(data), progress=False))
+        mine = data if rank == 0 else [(x * 5,) for (x,) in data]
+        res["data"] = outcome(lambda: quantkit.calibrate(prepared(), quantkit.shard(mine), progress=False))
+        res["shard"] = outcome(lambda: quantkit.calibrate(prepared(), quantkit.shard(data, 0, 2), progress=False))
+        res["recipe"] = outcome(lambda: quantkit.calibrate(prepared("minmax" if rank == 0 else "mse"),
+                                                           quantkit.shard(data), progress=False))
+        res["same"] = outcome(lambda: quantkit.calibrate(prepared(), quantkit.shard(data), progress=False))
+        return res
+
+    return run_ranks(work, tmp_path_factory.mktemp("api_ranks"))
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("weights", "DistributedError: rank 1's model weights differ from rank 0's: fc1.weight (sha256 "),
+    ("data", "DistributedError: rank 1's calibration data differs from rank 0's: batch 0 of 5 (sha256 "),
+    ("shard", "DistributedError: rank 1 of 2 calibrates on shard 0 of 2; let quantkit.shard(data) choose"),
+    ("recipe", "DistributedError: rank 1's quantization recipe differs from rank 0's: activation_post_process_0 "
+               "(HistogramObserver vs MinMaxObserver on rank 0; 2 of 4 observers differ); prepare the same model"),
+])
+def test_api_ranks_that_disagree_fail_every_rank(api_ranks, case, expected):
+    for rank in range(2):
+        got = api_ranks[rank][case]
+        assert got.startswith(expected), (rank, got)
+        assert "\n" not in got
+    assert api_ranks[0][case] == api_ranks[1][case]  # every rank, the same line
+
+
+def test_api_ranks_that_agree_still_calibrate_after_a_refusal(api_ranks):
+    """Positive control: the refusals above leave the process group usable, and agreeing ranks pass."""
+    assert [api_ranks[r]["same"] for r in range(2)] == ["ok", "ok"]

@@ -40,9 +40,10 @@ from datetime import timedelta
 
 import torch
 
+from quantkit.observers._collective import EXCHANGED, PEER_LOST, clean, key, store, timeout_hint
+
 from .._errors import DistributedError
 from ..pipeline._distributed import agreement_record, report_failure
-from quantkit.observers._collective import EXCHANGED, PEER_LOST, clean, key, store
 
 from ._cli_inputs import UsageError, is_factory_name
 
@@ -140,7 +141,8 @@ def torchrun_group(args):
         args.quiet = True
     try:
         try:
-            yield
+            with timeout_hint("raise QUANTKIT_DIST_TIMEOUT (seconds)"):
+                yield
         except Exception as exc:
             _leave_failed(launch, exc)
             raise

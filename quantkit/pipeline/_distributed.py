@@ -220,7 +220,7 @@ def _observers(prepared: torch.nn.Module) -> list[list[str]]:
         if name and is_observer_module(m):
             values = [(a, _config_value(getattr(m, a))) for a in _OBSERVER_CONFIG if hasattr(m, a)]
             config = [f"{a}={v}" for a, v in values if v is not None]
-            out.append([name, f"{type(m).__name__}({', '.join(config)})"])
+            out.append([name, f"{type(m).__name__}({'; '.join(config)})"])
     return out
 
 
@@ -335,7 +335,18 @@ def _short(digest) -> str:
     return str(digest)[:12]
 
 
-def _first_difference(mine: list, ref: list, what: str, r: int) -> str | None:
+def _change(mine: str, ref: str) -> tuple[str, str]:
+    """The part of two observer descriptions (``Class(attr=value; ...)``) that differs."""
+    parse = lambda d: (d.split("(", 1)[0], d.split("(", 1)[1][:-1].split("; ") if "(" in d else [])  # noqa: E731
+    (cls_a, attrs_a), (cls_b, attrs_b) = parse(str(mine)), parse(str(ref))
+    if cls_a != cls_b:
+        return cls_a, cls_b
+    diff_a = [x for x in attrs_a if x not in attrs_b]
+    diff_b = [x for x in attrs_b if x not in attrs_a]
+    return f"{cls_a}({', '.join(diff_a)})", f"{cls_b}({', '.join(diff_b)})"
+
+
+def _first_difference(mine: list, ref: list, what: str, r: int, digests: bool = False) -> str | None:
     """Named entries ``[[name, value], ...]``: the first that differs, is missing or is extra."""
     mine_d, ref_d = dict(map(tuple, mine)), dict(map(tuple, ref))
     for name, value in ref:
@@ -343,9 +354,9 @@ def _first_difference(mine: list, ref: list, what: str, r: int) -> str | None:
             return f"rank {r} has no {what} {clean(name, 80)!r} that rank 0 has"
         if mine_d[name] != value:
             n = sum(1 for k, v in ref_d.items() if mine_d.get(k) != v)
-            return (f"{clean(name, 80)} is {clean(_short(mine_d[name]) if what == 'tensor' else mine_d[name], 120)} "
-                    f"vs {clean(_short(value) if what == 'tensor' else value, 120)} on rank 0"
-                    + (f" ({n} of {len(ref)} {what}s differ)" if n > 1 else ""))
+            a, b = (_short(mine_d[name]), _short(value)) if digests else _change(mine_d[name], value)
+            also = f"; {n} of {len(ref)} {what}s differ" if n > 1 else ""
+            return f"{clean(name, 80)} ({'sha256 ' if digests else ''}{clean(a, 120)} vs {clean(b, 120)} on rank 0{also})"
     extra = [name for name, _ in mine if name not in ref_d]
     return f"rank {r} has {what} {clean(extra[0], 80)!r} that rank 0 lacks" if extra else None
 
@@ -379,10 +390,9 @@ def _disagreement(records: list[dict], world: int) -> str | None:
         if model.get("graph") != model0.get("graph"):
             return (f"rank {r}'s model graph differs from rank 0's (graph code {_short(model.get('graph'))} vs "
                     f"{_short(model0.get('graph'))}); capture the same model the same way on every rank")
-        why = _first_difference(model.get("weights", []), model0.get("weights", []), "tensor", r)
+        why = _first_difference(model.get("weights", []), model0.get("weights", []), "tensor", r, digests=True)
         if why is not None:
-            return (f"rank {r}'s model weights differ from rank 0's: {why} (sha256); load the same checkpoint "
-                    "on every rank")
+            return f"rank {r}'s model weights differ from rank 0's: {why}; load the same checkpoint on every rank"
     return _data_disagreement(records, world)
 
 
@@ -399,14 +409,14 @@ def _data_disagreement(records: list[dict], world: int) -> str | None:
             continue
         if plan.get("batches") != ref.get("batches"):
             return (f"rank {r}'s calibration data differs from rank 0's: {plan.get('batches')} batches vs "
-                    f"{ref.get('batches')}; give every rank the same data set (each calibrates on its own shard)")
+                    f"{ref.get('batches')} on rank 0; give every rank the same data set (each calibrates on its own shard of it)")
         mine, theirs = plan.get("digests"), ref.get("digests")
         if mine is not None and theirs is not None and mine != theirs:
             bad = [i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b]
             i = bad[0] if bad else 0
-            return (f"rank {r}'s calibration data differs from rank 0's: batch {i} of {len(theirs)} is "
-                    f"{_short(mine[i])} vs {_short(theirs[i])} (sha256; {len(bad)} batches differ); give every rank "
-                    "the same data set (each calibrates on its own shard)")
+            return (f"rank {r}'s calibration data differs from rank 0's: batch {i} of {len(theirs)} (sha256 "
+                    f"{_short(mine[i])} vs {_short(theirs[i])} on rank 0; {len(bad)} batches differ); give every "
+                    "rank the same data set (each calibrates on its own shard of it)")
     return None
 
 
