@@ -22,7 +22,8 @@ import torch
 
 from quantkit._errors import DistributedError
 
-__all__ = ["EXCHANGED", "PEER_LOST", "collective", "timeout_hint", "exchange", "comm_device", "store", "key", "missing_ranks", "clean"]
+__all__ = ["EXCHANGED", "PEER_LOST", "collective", "timeout_hint", "exchange", "comm_device", "store", "key",
+           "missing_ranks", "clean"]
 
 EXCHANGED = "quantkit_exchanged"  # set on an error every rank of the group raised (or learnt of) together
 PEER_LOST = "quantkit_peer_lost"  # set (with EXCHANGED) on an error about a rank that is gone or silent
@@ -30,7 +31,7 @@ _ENTERED = [0]  # exchanges this process has entered (the marker it leaves in th
 # what a user does about a peer that is only slow; the CLI names its own setting (timeout_hint)
 _HINT = ["give init_process_group a longer timeout"]
 # what a peer that is gone or silent looks like in gloo's and NCCL's errors
-_GONE = re.compile(r"closed by peer|reset by peer|broken pipe|connection refused|socket closed|"
+_GONE = re.compile(r"closed by peer|reset by peer|broken pipe|connection refused|no route to host|socket closed|"
                    r"NCCL communicator was aborted|remote process exited", re.I)
 _SILENT = re.compile(r"timed out|timeout", re.I)
 _WAITED_MS = re.compile(r"(?:waiting|after)\s+(\d+)\s*ms", re.I)
@@ -70,6 +71,10 @@ def clean(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def _default(group) -> bool:
+    return group is None or group is _dist().group.WORLD
+
+
 def _mark(rank: int) -> None:
     _ENTERED[0] += 1
     s = store()
@@ -80,7 +85,8 @@ def _mark(rank: int) -> None:
 
 def missing_ranks(rank: int, world: int) -> list[int]:
     """The ranks that did not enter the exchange this rank is in (their store marker is behind
-    ours); with two ranks and no markers, the other one."""
+    ours); with two ranks and no markers, the other one. Markers count the default group's
+    exchanges only."""
     s, behind = store(), []
     if s is not None:
         for r in range(world):
@@ -99,8 +105,8 @@ def missing_ranks(rank: int, world: int) -> list[int]:
     return behind
 
 
-def _who(rank: int, world: int) -> str:
-    ranks = missing_ranks(rank, world)
+def _who(rank: int, world: int, group) -> str:
+    ranks = missing_ranks(rank, world) if _default(group) else ([1 - rank] if world == 2 else [])
     if not ranks:
         return f"another rank of {world}"
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {world}"
@@ -140,14 +146,15 @@ def collective(stage: str, group=None):
     """
     dist = _dist()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    _mark(rank)
+    if _default(group):
+        _mark(rank)
     try:
         yield
     except RuntimeError as exc:  # gloo and NCCL raise RuntimeError (or DistError, a subclass)
         why = _peer_failure(exc)
         if why is None:
             raise
-        err = DistributedError(f"{_who(rank, world)} stopped answering at {stage} ({why}); every rank stops")
+        err = DistributedError(f"{_who(rank, world, group)} stopped answering at {stage} ({why}); every rank stops")
         setattr(err, EXCHANGED, True)
         setattr(err, PEER_LOST, True)
         raise err from None

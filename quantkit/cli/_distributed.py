@@ -146,6 +146,10 @@ def torchrun_group(args):
         except Exception as exc:
             _leave_failed(launch, exc)
             raise
+        except BaseException:  # Ctrl-C, SIGTERM: nobody waits for this rank's outcome
+            if dist.is_initialized():
+                _post_result(launch, "it was interrupted")
+            raise
         _leave_done(launch)
     finally:
         _LAUNCH = None

@@ -25,6 +25,7 @@ failed before calibration joins this exchange with its error instead
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
 import itertools
 import json
@@ -187,10 +188,10 @@ def _weights(prepared: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The model's own tensors (parameters, buffers, constants), observers' state left out."""
     out, seen, observers = [], set(), []
     for name, m in prepared.named_modules():
-        if any(name.startswith(o + ".") for o in observers):
+        if observers and name.startswith(tuple(observers)):
             continue
         if name and is_observer_module(m):
-            observers.append(name)
+            observers.append(name + ".")
             continue
         for n, t in itertools.chain(m._parameters.items(), m._buffers.items()):
             if isinstance(t, torch.Tensor) and id(t) not in seen:
@@ -209,8 +210,10 @@ def _weights(prepared: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 def _config_value(v) -> str | None:
     if isinstance(v, torch.Tensor):
         return repr(v.tolist()) if v.numel() <= 16 else None
-    if v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.qscheme)) or hasattr(v, "value"):
+    if v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.qscheme, enum.Enum)):
         return repr(v)
+    if isinstance(v, (tuple, list)) and all(isinstance(x, (bool, int, float, str)) for x in v):
+        return repr(tuple(v))
     return None
 
 
@@ -241,8 +244,10 @@ def _batch_digest(batch) -> str:
             for item in x:
                 feed(item)
             h.update(b"]")
-        else:
+        elif x is None or isinstance(x, (bool, int, float, str, bytes)):
             h.update(repr(x).encode())
+        else:  # another object: its type alone (its repr may hold a per-process address)
+            h.update(f"<{type(x).__module__}.{type(x).__qualname__}>".encode())
 
     feed(batch)
     return h.hexdigest()
@@ -346,19 +351,20 @@ def _change(mine: str, ref: str) -> tuple[str, str]:
     return f"{cls_a}({', '.join(diff_a)})", f"{cls_b}({', '.join(diff_b)})"
 
 
-def _first_difference(mine: list, ref: list, what: str, r: int, digests: bool = False) -> str | None:
+def _first_difference(mine: list, ref: list, what: str, digests: bool = False) -> str | None:
     """Named entries ``[[name, value], ...]``: the first that differs, is missing or is extra."""
     mine_d, ref_d = dict(map(tuple, mine)), dict(map(tuple, ref))
     for name, value in ref:
         if name not in mine_d:
-            return f"rank {r} has no {what} {clean(name, 80)!r} that rank 0 has"
+            return f"no {what} {clean(name, 80)!r} (rank 0 has one)"
         if mine_d[name] != value:
             n = sum(1 for k, v in ref_d.items() if mine_d.get(k) != v)
             a, b = (_short(mine_d[name]), _short(value)) if digests else _change(mine_d[name], value)
             also = f"; {n} of {len(ref)} {what}s differ" if n > 1 else ""
-            return f"{clean(name, 80)} ({'sha256 ' if digests else ''}{clean(a, 120)} vs {clean(b, 120)} on rank 0{also})"
+            kind = "sha256 " if digests else ""
+            return f"{clean(name, 80)} ({kind}{clean(a, 120)} vs {clean(b, 120)} on rank 0{also})"
     extra = [name for name, _ in mine if name not in ref_d]
-    return f"rank {r} has {what} {clean(extra[0], 80)!r} that rank 0 lacks" if extra else None
+    return f"{what} {clean(extra[0], 80)!r}, which rank 0 lacks" if extra else None
 
 
 def _disagreement(records: list[dict], world: int) -> str | None:
@@ -383,14 +389,14 @@ def _disagreement(records: list[dict], world: int) -> str | None:
                             f"{clean(json.dumps(mine.get(field)), 80)} vs {clean(json.dumps(theirs.get(field)), 80)}; "
                             f"run every rank with the same {section}")
         model, model0 = rec.get("model") or {}, ref.get("model") or {}
-        why = _first_difference(model.get("observers", []), model0.get("observers", []), "observer", r)
+        why = _first_difference(model.get("observers", []), model0.get("observers", []), "observer")
         if why is not None:
             return (f"rank {r}'s quantization recipe differs from rank 0's: {why}; prepare the same model with the "
                     "same quantizer on every rank")
         if model.get("graph") != model0.get("graph"):
             return (f"rank {r}'s model graph differs from rank 0's (graph code {_short(model.get('graph'))} vs "
                     f"{_short(model0.get('graph'))}); capture the same model the same way on every rank")
-        why = _first_difference(model.get("weights", []), model0.get("weights", []), "tensor", r, digests=True)
+        why = _first_difference(model.get("weights", []), model0.get("weights", []), "tensor", digests=True)
         if why is not None:
             return f"rank {r}'s model weights differ from rank 0's: {why}; load the same checkpoint on every rank"
     return _data_disagreement(records, world)
@@ -409,7 +415,8 @@ def _data_disagreement(records: list[dict], world: int) -> str | None:
             continue
         if plan.get("batches") != ref.get("batches"):
             return (f"rank {r}'s calibration data differs from rank 0's: {plan.get('batches')} batches vs "
-                    f"{ref.get('batches')} on rank 0; give every rank the same data set (each calibrates on its own shard of it)")
+                    f"{ref.get('batches')} on rank 0; give every rank the same data set (each calibrates on its own "
+                    "shard of it)")
         mine, theirs = plan.get("digests"), ref.get("digests")
         if mine is not None and theirs is not None and mine != theirs:
             bad = [i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b]
