@@ -239,6 +239,7 @@ def test_rank_0_failing_to_write_fails_the_other_ranks_too(inputs, tmp_path):
 def api_ranks(tmp_path_factory):
     """Two forked gloo ranks calibrate a tiny captured model, once per disagreement."""
     import quantkit
+    from quantkit.pipeline import _distributed as agreement
     from quantkit.quantizers import QuantConfig, W8A8Quantizer
     from tests.dist_factories import sqrt_mlp
     from tests.test_distributed import run_ranks
@@ -269,6 +270,13 @@ def api_ranks(tmp_path_factory):
         res["shard"] = outcome(lambda: quantkit.calibrate(prepared(), quantkit.shard(data, 0, 2), progress=False))
         res["recipe"] = outcome(lambda: quantkit.calibrate(prepared("minmax" if rank == 0 else "mse"),
                                                            quantkit.shard(data), progress=False))
+        more = data + [data[0]] if rank == 1 else data  # one batch more on rank 1
+        res["count"] = outcome(lambda: quantkit.calibrate(prepared(), quantkit.shard(more), progress=False))
+        versions = agreement._versions
+        if rank == 1:
+            agreement._versions = lambda: {**versions(), "torch": "9.9.9"}
+        res["versions"] = outcome(lambda: quantkit.calibrate(prepared(), quantkit.shard(data), progress=False))
+        agreement._versions = versions
         res["same"] = outcome(lambda: quantkit.calibrate(prepared(), quantkit.shard(data), progress=False))
         return res
 
@@ -279,6 +287,8 @@ def api_ranks(tmp_path_factory):
     ("weights", "DistributedError: rank 1's model weights differ from rank 0's: fc1.weight (sha256 "),
     ("data", "DistributedError: rank 1's calibration data differs from rank 0's: batch 0 of 5 (sha256 "),
     ("shard", "DistributedError: rank 1 of 2 calibrates on shard 0 of 2; let quantkit.shard(data) choose"),
+    ("count", "DistributedError: rank 1's calibration data differs from rank 0's: 6 batches vs 5 on rank 0; "),
+    ("versions", f"DistributedError: rank 1 runs torch 9.9.9, rank 0 runs torch {torch.__version__}; install "),
     ("recipe", "DistributedError: rank 1's quantization recipe differs from rank 0's: activation_post_process_0 "
                "(HistogramObserver vs MinMaxObserver on rank 0; 2 of 4 observers differ); prepare the same model"),
 ])

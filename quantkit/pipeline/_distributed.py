@@ -377,7 +377,7 @@ def _disagreement(records: list[dict], world: int) -> str | None:
         for k in ("torch", "quantkit"):
             a, b = rec.get("versions", {}).get(k), ref.get("versions", {}).get(k)
             if a != b:
-                return (f"rank {r} runs {k} {clean(a, 40)}, rank 0 runs {clean(b, 40)}; install the same versions "
+                return (f"rank {r} runs {k} {clean(a, 40)}, rank 0 runs {k} {clean(b, 40)}; install the same versions "
                         "on every rank")
         for section in sorted(set(rec) | set(ref)):
             if section in ("versions", "model", "data"):
