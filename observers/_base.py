@@ -10,7 +10,7 @@ from quantkit._qmath import DEFAULT_EPS, choose_qparams, default_qrange, is_per_
 
 from ._tokens import real_tokens
 
-__all__ = ["QuantkitObserver", "PER_TENSOR", "PER_CHANNEL", "PER_TOKEN", "declared_qscheme"]
+__all__ = ["QuantkitObserver", "PER_TENSOR", "PER_CHANNEL", "PER_TOKEN", "declared_qscheme", "empty_message"]
 
 _QSCHEMES = (
     torch.per_tensor_affine,
@@ -39,6 +39,15 @@ def declared_qscheme(ctor) -> torch.qscheme | None:
     except (TypeError, ValueError):
         return None
     return getattr(obs, "qscheme", None)
+
+
+def empty_message(node_name: str, shape=None) -> str:
+    """Why an observer of a tensor with no elements (a zero-width layer or an empty slice) has no
+    qparams: there is nothing to quantize there, which is not a calibration problem."""
+    what = f"a tensor with no elements (shape {list(shape)})" if shape is not None else \
+        "only tensors with no elements (a dimension of size 0)"
+    return (f"observer at node '{node_name}' watches {what}, so there is no range to quantize it with; "
+            "keep that layer float (it holds nothing to quantize)")
 
 
 class QuantkitObserver(ObserverBase):
@@ -144,8 +153,16 @@ class QuantkitObserver(ObserverBase):
         raise NotImplementedError
 
     # --- shared behaviour -----------------------------------------------------------
+    # set when a tensor with no elements arrived (it is not observed): says why an observer
+    # that saw nothing else has no range (a zero-size dimension, not missing calibration)
+    saw_empty: bool = False
+
     def forward(self, x):
-        if not isinstance(x, torch.Tensor) or x.numel() == 0:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if x.numel() == 0:
+            if not self.saw_empty:
+                self.saw_empty = True
             return x
         if not x.is_floating_point():
             raise CalibrationError(
@@ -206,10 +223,9 @@ class QuantkitObserver(ObserverBase):
 
     def _check_calibrated(self) -> None:
         if not self.calibrated:
-            raise ConvertError(
-                f"observer at node '{self.node_name}' has seen no data; "
-                "run quantkit.calibrate(prepared, data) before convert"
-            )
+            raise ConvertError(empty_message(self.node_name) if self.saw_empty else
+                               f"observer at node '{self.node_name}' has seen no data; "
+                               "run quantkit.calibrate(prepared, data) before convert")
 
     def merge(self, other: "QuantkitObserver") -> "QuantkitObserver":
         """Fold ``other``'s statistics into this observer (e.g. from another process).

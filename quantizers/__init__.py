@@ -20,7 +20,7 @@ from ._config import QUANTIZABLE_OPS, ActivationScheme, Granularity, QuantConfig
 from ._embedding import EmbeddingQuantizer
 from ._fp8 import FP8Config, FP8Quantizer
 from ._w8a8 import W8A8Quantizer
-from ._weight_only import WeightOnlyConfig, WeightOnlyQuantizer
+from ._weight_only import GroupSizeError, WeightOnlyConfig, WeightOnlyQuantizer
 
 __all__ = [
     "Quantizer",
@@ -37,6 +37,7 @@ __all__ = [
     "FP8Config",
     "WeightOnlyQuantizer",
     "WeightOnlyConfig",
+    "GroupSizeError",
     "QuantConfig",
     "ActivationScheme",
     "Granularity",

@@ -13,6 +13,8 @@ from quantkit._qmath import is_per_channel
 from quantkit.observers import declared_qscheme
 from quantkit.observers import get as get_observer
 
+from ._w8a8 import _has_elements
+
 
 __all__ = ["EmbeddingQuantizer"]
 
@@ -69,7 +71,8 @@ class EmbeddingQuantizer(Quantizer):
                 continue
             weight = node.args[0]
             val = weight.meta.get("val") if isinstance(weight, Node) else None
-            if weight.op != "get_attr" or not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+            if weight.op != "get_attr" or not (isinstance(val, torch.Tensor) and val.is_floating_point()
+                                               and _has_elements(val)):  # an empty table stays float
                 continue
             if self._skipped(node):
                 continue

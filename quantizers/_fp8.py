@@ -254,7 +254,15 @@ class FP8Quantizer(W8A8Quantizer):
             self._annotate_kv(model)
         return super().annotate(model)
 
-    def _annotate_kv(self, model: GraphModule) -> None:
+    def kv_cache_sites(self, model: GraphModule) -> list[str]:
+        """Names of the nodes of ``model`` where a KV cache is quantized (each attention's
+        ``scaled_dot_product_attention``, or the key and value matmuls of an eager one), outside
+        the modules set to None; empty when the model has no attention, so ``kv_cache`` would do nothing."""
+        return [node.name for node, _, _ in self._kv_nodes(model)]
+
+    def _kv_nodes(self, model: GraphModule):
+        """``(node, config, roles)`` of every KV-cache site not yet annotated; ``roles`` maps the
+        node's key/value inputs to ``"key"``/``"value"``."""
         for node in model.graph.nodes:
             if node.op != "call_function" or _ANNOTATION_KEY in node.meta:
                 continue
@@ -264,17 +272,18 @@ class FP8Quantizer(W8A8Quantizer):
             if node.target in _SDPA:
                 q, k, v = node.args[:3]
                 if _is_float_tensor(k) and _is_float_tensor(v):
-                    qmap = {k: self.kv_spec(config, "key"), v: self.kv_spec(config, "value")}
-                    node.meta[_ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=qmap, _annotated=True)
+                    yield node, config, {k: "key", v: "value"}
             elif node.target in _MATMUL:
                 role = _eager_attention_role(node)
-                if role is None or not all(_is_float_tensor(a) for a in node.args[:2]):
-                    continue
-                left, right = node.args[:2]
-                qmap = {right: self.kv_spec(config, role)}
-                if "matmul" in config.ops:
-                    qmap[left] = self.act_spec(config, per_token_ok=True)
-                node.meta[_ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=qmap, _annotated=True)
+                if role is not None and all(_is_float_tensor(a) for a in node.args[:2]):
+                    yield node, config, {node.args[1]: role}
+
+    def _annotate_kv(self, model: GraphModule) -> None:
+        for node, config, roles in list(self._kv_nodes(model)):
+            qmap = {arg: self.kv_spec(config, role) for arg, role in roles.items()}
+            if node.target in _MATMUL and "matmul" in config.ops:
+                qmap[node.args[0]] = self.act_spec(config, per_token_ok=True)
+            node.meta[_ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=qmap, _annotated=True)
 
     @staticmethod
     def _quantizes_input(user: Node, arg: Node, spec: QuantizationSpec) -> bool:

@@ -46,11 +46,18 @@ _PASSTHROUGH = {
 }
 
 
+def _has_elements(val: torch.Tensor) -> bool:
+    """False when a dimension of ``val`` is known to be 0 (a zero-width layer, an empty slice):
+    there is nothing to observe or quantize, so it stays float. Symbolic sizes count as non-zero."""
+    return not any(isinstance(d, int) and d == 0 for d in val.shape)
+
+
 def _is_float_tensor(arg) -> bool:
+    """A graph node whose value is a floating-point tensor with elements."""
     if not isinstance(arg, Node):
         return False
     val = arg.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.is_floating_point()
+    return isinstance(val, torch.Tensor) and val.is_floating_point() and _has_elements(val)
 
 
 class W8A8Quantizer(Quantizer):
@@ -178,6 +185,9 @@ class W8A8Quantizer(Quantizer):
     def _annotate_weighted(self, node: Node, config: QuantConfig) -> None:
         x, w = node.args[0], node.args[1]
         if not (_is_float_tensor(x) and isinstance(w, Node)):
+            return
+        w_val = w.meta.get("val")
+        if isinstance(w_val, torch.Tensor) and not _has_elements(w_val):  # a zero-width layer stays float
             return
         qmap = {x: self.act_spec(config, per_token_ok=node.target in _LINEAR), w: self.weight_spec(config)}
         node.meta[_ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=qmap, _annotated=True)

@@ -9,10 +9,14 @@ import torch
 from torch.fx import GraphModule, Node
 from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, QuantizationSpec, Quantizer
 
+from quantkit._errors import QuantkitError
 from quantkit.observers import GroupwiseWeightObserver
 from quantkit.pipeline._scopes import scoped_config, type_name
 
-__all__ = ["WeightOnlyQuantizer", "WeightOnlyConfig", "WEIGHT_ONLY_SCHEMES", "WEIGHT_ONLY_ALGORITHMS"]
+from ._w8a8 import _has_elements
+
+__all__ = ["WeightOnlyQuantizer", "WeightOnlyConfig", "GroupSizeError", "WEIGHT_ONLY_SCHEMES",
+           "WEIGHT_ONLY_ALGORITHMS", "module_of"]
 
 _ANNOTATION_KEY = "quantization_annotation"
 _LINEAR = {torch.ops.aten.linear.default}
@@ -50,6 +54,29 @@ class WeightOnlyConfig:
             raise ValueError(f"unknown weight algorithm {self.algorithm!r}; use one of {list(WEIGHT_ONLY_ALGORITHMS)}")
         if not isinstance(self.symmetric, bool) or not isinstance(self.embeddings, bool):
             raise ValueError("symmetric and embeddings must be True or False")
+
+
+class GroupSizeError(QuantkitError):
+    """Layers whose input features are not a multiple of the group size.
+
+    Attributes:
+        layers: ``(weight name, input features)`` of every such layer, in graph order
+            (``"fc.weight"``: the layer is the module ``"fc"``).
+        group_size: the group size they do not divide into.
+        in_features: the input features of every layer annotated with that group size, the
+            fitting ones too (a group size that divides them all fits the whole model).
+    """
+
+    def __init__(self, layers: tuple[tuple[str, int], ...], group_size: int,
+                 in_features: tuple[int, ...] = ()) -> None:
+        self.layers, self.group_size = tuple(layers), group_size
+        self.in_features = tuple(sorted(set(in_features) | {k for _, k in self.layers}))
+        weight, k = self.layers[0]
+        n = len(self.layers) - 1
+        more = f" (nor do {n} more layer{'s' if n > 1 else ''})" if n else ""
+        super().__init__(f"layer '{weight}' has {k} input features, not a multiple of group_size={group_size}{more}; "
+                         f"choose a group size that divides it or keep the layer float with "
+                         f"set_module_name('{module_of(weight)}', None)")
 
 
 class WeightOnlyQuantizer(Quantizer):
@@ -135,6 +162,10 @@ class WeightOnlyQuantizer(Quantizer):
 
     # --- annotation -------------------------------------------------------------------
     def annotate(self, model: GraphModule) -> GraphModule:
+        """Annotate every weight the config covers; raises :class:`GroupSizeError` naming every
+        layer whose input features the group size does not divide."""
+        misfits: dict[int, list[tuple[str, int]]] = {}
+        widths: dict[int, set[int]] = {}  # group size -> input features of the layers it applies to
         for node in model.graph.nodes:
             if node.op != "call_function" or _ANNOTATION_KEY in node.meta:
                 continue
@@ -150,17 +181,19 @@ class WeightOnlyQuantizer(Quantizer):
             if not isinstance(weight, Node) or weight.op != "get_attr":
                 continue
             val = weight.meta.get("val")
-            if not (isinstance(val, torch.Tensor) and val.is_floating_point() and val.dim() == 2):
+            if not (isinstance(val, torch.Tensor) and val.is_floating_point() and val.dim() == 2
+                    and _has_elements(val)):  # a zero-width layer has nothing to quantize: it stays float
                 continue
             k = int(val.shape[1])
+            widths.setdefault(config.group_size, set()).add(k)
             if config.group_size is not None and k % config.group_size:
-                raise ValueError(
-                    f"layer '{weight.target}' has {k} input features, not a multiple of group_size="
-                    f"{config.group_size}; choose a group size that divides it or keep the layer float "
-                    f"with set_module_name(..., None)"
-                )
+                misfits.setdefault(config.group_size, []).append((str(weight.target), k))
+                continue
             node.meta[_ANNOTATION_KEY] = QuantizationAnnotation(
                 input_qspec_map={weight: self.weight_spec(config, k)}, _annotated=True)
+        if misfits:
+            group_size, layers = next(iter(misfits.items()))
+            raise GroupSizeError(tuple(layers), group_size, tuple(widths[group_size]))
         return model
 
     def validate(self, model: GraphModule) -> None:
@@ -168,3 +201,8 @@ class WeightOnlyQuantizer(Quantizer):
 
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         return model
+
+
+def module_of(target: str) -> str:
+    """The module a ``get_attr`` parameter target belongs to (``"fc.weight"`` -> ``"fc"``)."""
+    return str(target).rpartition(".")[0] or str(target)

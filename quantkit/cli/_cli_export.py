@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .._quiet import silenced
 from . import _cli_inputs as inputs
 
 __all__ = ["FORMATS", "SUBDIR", "parse_formats", "check", "write", "summary", "describe", "refuse_sequential"]
@@ -39,8 +40,9 @@ def check(args, spec: inputs.ModelSpec, out: Path, check_pt2_dir) -> Path:
         if not spec.is_hf:
             raise inputs.UsageError("--format compressed-tensors writes an HF checkpoint, so MODEL must be an HF model "
                                     "directory (config.json and weights), not a factory")
-        from ..export._compressed_tensors import check_available
+        from ..export._compressed_tensors import check_available, check_source
 
+        check_source(_model_dir(spec))  # a quantized source fails here, before anything loads or calibrates
         check_available()
     if formats == (CT,):
         from ..export._compressed_tensors import check_out_dir
@@ -80,28 +82,31 @@ def write(directory: Path, *, qmodel, spec: inputs.ModelSpec, loaded, batches: l
           record: dict | None = None, atomic: bool):
     """Export ``qmodel`` as compressed-tensors into ``directory`` (``atomic``: swapped into place,
     else written into a fresh directory inside the caller's atomic one), verified against it."""
-    from ..export import _compressed_tensors as ct
+    from ..export import _atomic, _compressed_tensors as ct
 
-    kw = dict(inputs=batches, skip_unsupported=skip_unsupported, model_class=type(loaded.model))
-    if not atomic:
-        return ct.write_checkpoint(qmodel, _model_dir(spec), directory, record=record, **kw)
-    from ..export import _atomic
-
-    with _atomic.atomic_dir(directory, check=lambda: ct.check_out_dir(directory, overwrite=True)) as tmp:
-        result = ct.write_checkpoint(qmodel, _model_dir(spec), tmp, record=record, **kw)
-    return result
+    kw = dict(inputs=batches, skip_unsupported=skip_unsupported, model_class=type(loaded.model),
+              skip_flag="--skip-unsupported")
+    # transformers, compressed-tensors and torchao run here: what they print, log or warn is not ours
+    # to show (stdout is the summary line's, stderr the error line's); QUANTKIT_DEBUG=1 shows it
+    with silenced():
+        if not atomic:
+            return ct.write_checkpoint(qmodel, _model_dir(spec), directory, record=record, **kw)
+        check = lambda: ct.check_out_dir(directory, overwrite=True, flag="--force")  # noqa: E731
+        with _atomic.atomic_dir(directory, check=check) as tmp:
+            return ct.write_checkpoint(qmodel, _model_dir(spec), tmp, record=record, **kw)
 
 
 def summary(result) -> dict:
     """The report's ``compressed_tensors`` entry."""
     return {"int8_linears": result.linears, "kept_float": list(result.kept_float),
             "weight_only_dequantized": list(result.dequantized), "verification": result.verification,
-            "versions": result.versions}
+            "versions": result.versions, "notes": list(result.notes)}
 
 
 def describe(result) -> str:
     v = result.verification
     kept = f", {len(result.kept_float)} layers kept float" if result.kept_float else ""
+    notes = "".join(f"; {n}" for n in result.notes)
     return (f"compressed-tensors: {result.linears} quantized linears{kept}; loaded with transformers "
             f"(compressed-tensors {result.versions['compressed_tensors']}), min cosine {v['min_cosine']:.6f} "
-            f"vs quantkit's model on {v['rows']} rows")
+            f"vs quantkit's model on {v['rows']} rows{notes}")

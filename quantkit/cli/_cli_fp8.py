@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._errors import QuantkitError
 from . import _cli_inputs as inputs
 
 __all__ = ["FP8Recipe", "FP8_SCHEMES", "describe_fp8"]
@@ -70,17 +71,34 @@ class FP8Recipe:
         """FP8 linears/matmuls plus int8 embeddings (as the other recipes); ``skipped`` modules stay float."""
         from torchao.quantization.pt2e.quantizer import ComposableQuantizer
 
-        from quantkit.quantizers import EmbeddingQuantizer, FP8Quantizer
+        from quantkit.quantizers import EmbeddingQuantizer
+
+        embeddings = EmbeddingQuantizer()
+        for name in skipped:
+            embeddings.set_module_name(name, None)
+        return ComposableQuantizer([embeddings, self._fp8(skipped)])
+
+    def _fp8(self, skipped: list[str]):
+        from quantkit.quantizers import FP8Quantizer
 
         dynamic, granularity = FP8_SCHEMES[self.scheme]
         fp8 = FP8Quantizer(dynamic=dynamic, granularity=granularity, kv_cache=self.kv_cache,
                            kv_granularity=self.kv_granularity, act_observer=self.observer,
                            ops=frozenset(self.ops), weight_algorithm=self.algorithm)
-        embeddings = EmbeddingQuantizer()
         for name in skipped:
             fp8.set_module_name(name, None)
-            embeddings.set_module_name(name, None)
-        return ComposableQuantizer([embeddings, fp8])
+        return fp8
+
+    def check_kv_cache(self, gm, skipped: list[str]) -> None:
+        """With ``--kv-cache``, refuse a captured model with no attention outside the ``--skip``
+        patterns (nothing would be quantized, yet the recipe would say a KV cache is); runs
+        before calibration."""
+        if self.kv_cache is None:
+            return
+        if not self._fp8(skipped).kv_cache_sites(gm):
+            where = " outside the --skip patterns" if skipped else ""
+            raise QuantkitError(f"no attention found{where}: --kv-cache has nothing to quantize (the model has no "
+                                "scaled_dot_product_attention and no softmax between two matmuls); drop --kv-cache")
 
     def to_json(self) -> dict:
         dynamic, granularity = FP8_SCHEMES[self.scheme]

@@ -285,6 +285,12 @@ def _check(args, recipe: Recipe):
     return spec, data, out, device
 
 
+def _check_captured(recipe: Recipe, gm, module_names: list[str]) -> None:
+    """What the captured graph tells before calibration: a --kv-cache with no attention to put it on."""
+    if recipe.fp8 is not None:
+        recipe.fp8.check_kv_cache(gm, recipe.skipped(module_names))
+
+
 def _nonfinite_split(samples, origins, split: datasets.Split, skip: bool, what: str) -> tuple[datasets.Split, list[str]]:
     """Leave samples holding NaN/inf out of the split (``skip``), or fail naming the first."""
     bad = datasets.nonfinite(samples)
@@ -353,11 +359,13 @@ def run_quantize(args, say) -> int:
         else:
             gm = quantkit.capture(loaded.model, tuple(x.to(device) for x in loaded.example))
     t = clock.lap("capture", t)
+    _check_captured(recipe, gm, module_names)
     tuned = None
     if autos is not None:  # --recipe auto|NAME: choose the recipe, then build it below as if flagged
         recipe, tuned = _cli_autotune.choose(args, recipe, loaded, gm, calib, heldout, heldout_origins,
                                              module_names, progress, autos)
         quantizer = recipe.quantizer(module_names)
+        _check_captured(recipe, gm, module_names)
         t = clock.lap("autotune", t)
     if recipe.smoothquant is not None:
         gm = quantkit.smooth_quant(gm, calib, alpha=recipe.smoothquant, config=recipe.config())

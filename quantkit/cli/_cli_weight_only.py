@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
+from .._errors import QuantkitError
 from . import _cli_inputs as inputs
 
 __all__ = ["WeightOnlyRecipe", "WEIGHT_ONLY_SCHEMES", "check_weight_algorithm", "describe_weight_only"]
@@ -65,13 +67,46 @@ class WeightOnlyRecipe:
         for name in skipped:
             weights.set_module_name(name, None)
             embeddings.set_module_name(name, None)
-        return ComposableQuantizer([embeddings, weights])
+        return _worded(ComposableQuantizer)([embeddings, weights])
 
     def to_json(self) -> dict:
         kw = self.kwargs()
         return {"scheme": self.scheme, "weight_only": True, "bits": kw["bits"], "weights": kw["scheme"],
                 "group_size": self.group_size, "symmetric": kw["symmetric"], "algorithm": self.algorithm,
                 "activation": None, "ops": ["linear"], "embeddings": "int8 per row"}
+
+
+def _group_size_message(exc) -> str:
+    """A ``GroupSizeError`` in the command line's words (``--group-size``, ``--skip``), suggesting
+    the largest power-of-two group size below it that divides every layer's input features."""
+    from quantkit.quantizers._weight_only import module_of
+
+    weight, k = exc.layers[0]
+    group_size = exc.group_size
+    n = len(exc.layers) - 1
+    more = f" (nor do {n} more layer{'s' if n > 1 else ''})" if n else ""
+    fits = next((g for g in (128, 64, 32, 16, 8, 4, 2) if g < group_size and all(f % g == 0 for f in exc.in_features)),
+                None)
+    choose = f"pass --group-size {fits}" if fits else "pass a --group-size that divides it"
+    return (f"layer {module_of(weight)!r} has {k} input features, not a multiple of --group-size {group_size}{more}; "
+            f"{choose}, or keep the layer float with --skip {module_of(weight)}")
+
+
+@functools.cache
+def _worded(cls):
+    """``cls`` (a quantizer class) whose ``annotate`` words :class:`GroupSizeError` with the
+    command line's flags instead of the API's (``set_module_name``, ``group_size=``)."""
+    from quantkit.quantizers import GroupSizeError
+
+    class _CommandLine(cls):
+        def annotate(self, model):
+            try:
+                return super().annotate(model)
+            except GroupSizeError as exc:
+                raise QuantkitError(_group_size_message(exc)) from None
+
+    _CommandLine.__name__ = _CommandLine.__qualname__ = cls.__name__
+    return _CommandLine
 
 
 def check_weight_algorithm(algorithm: str, weight_only: WeightOnlyRecipe | None) -> None:

@@ -40,7 +40,7 @@ from . import _ct_checks as checks
 from ._ct_schemes import is_float8, layer_tensors, quantization_config
 
 __all__ = ["export_compressed_tensors", "write_checkpoint", "CompressedTensorsExport", "check_available",
-           "check_out_dir", "MARKER_FILE", "TESTED_VERSION"]
+           "check_out_dir", "check_source", "MARKER_FILE", "TESTED_VERSION"]
 
 MARKER_FILE = "quantkit_export.json"
 _MARKER_FORMAT = "quantkit-compressed-tensors"
@@ -52,6 +52,10 @@ _MIN_VERSION = (0, 15)
 _COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.txt",
            "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
            "chat_template.jinja", "chat_template.json", "generation_config.json", "preprocessor_config.json")
+# keys of the copied JSON files that name Python files of the source directory (custom code): the
+# export holds weights laid out for, and verified with, the transformers class quantkit loaded
+# (never the custom code), so they are left out rather than pointing at code that is not there
+_REMOTE_CODE_KEYS = ("auto_map",)
 # one safetensors file up to this size, else shards with an index (transformers' default max_shard_size)
 _SHARD_BYTES = 5 * 1000**3
 # verification, in two tiers. Per layer: each int8 linear of the loaded model is fed its own
@@ -91,6 +95,8 @@ class CompressedTensorsExport:
         verification: the comparison with quantkit's model (``samples``, ``min_cosine``,
             ``mean_cosine``, ``sqnr_db``) after loading with transformers.
         versions: compressed-tensors, transformers and torch versions it was checked with.
+        notes: what was changed from the source directory besides the quantization (e.g. an
+            ``auto_map`` left out), one sentence each.
     """
 
     path: Path
@@ -99,6 +105,7 @@ class CompressedTensorsExport:
     dequantized: tuple[str, ...]
     verification: dict
     versions: dict
+    notes: tuple[str, ...] = ()
 
 
 def check_available() -> str:
@@ -114,6 +121,17 @@ def check_available() -> str:
         raise QuantkitError(f"compressed-tensors {version} is too old for transformers' loader (needs >= "
                             f"{'.'.join(map(str, _MIN_VERSION))}); pip install 'quantkit[serve]'")
     return version
+
+
+def check_source(model_dir: str | os.PathLike) -> None:
+    """Refuse a source model whose config.json already has a ``quantization_config`` (a quantized
+    checkpoint cannot be quantized again into this format); cheap: reads config.json only."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():  # not an HF directory: check_hf_dir says so
+        return
+    if "quantization_config" in _hf._config_json(model_dir):
+        raise QuantkitError(f"{str(model_dir / 'config.json')!r} already has a quantization_config (the checkpoint "
+                            "is quantized); quantize the float checkpoint instead")
 
 
 def check_out_dir(path: str | os.PathLike, *, overwrite: bool, flag: str = "overwrite=True",
@@ -257,11 +275,8 @@ def _save(tensors: dict[str, torch.Tensor], directory: Path) -> list[str]:
 
 
 def _config(model_dir: Path, cls, qconfig: dict, untied: list) -> dict:
-    doc = _hf._config_json(model_dir)
-    if "quantization_config" in doc:
-        raise QuantkitError(f"{str(model_dir / 'config.json')!r} already has a quantization_config; export from the "
-                            "float checkpoint")
-    doc = dict(doc)
+    check_source(model_dir)
+    doc = {k: v for k, v in _hf._config_json(model_dir).items() if k not in _REMOTE_CODE_KEYS}
     doc["architectures"] = [cls.__name__]
     if untied:
         if not _is_embedding_tie(untied):
@@ -271,6 +286,36 @@ def _config(model_dir: Path, cls, qconfig: dict, untied: list) -> dict:
         doc["tie_word_embeddings"] = False  # lm_head int8, the embedding float: stored apart
     doc["quantization_config"] = qconfig
     return doc
+
+
+def _remote_code_note(name: str, doc: dict) -> str:
+    keys = ", ".join(k for k in _REMOTE_CODE_KEYS if k in doc)
+    return (f"{name}: left out {keys} (it names custom code, which quantkit never ran: the export is for "
+            "transformers' own class)")
+
+
+def _copy_files(model_dir: Path, directory: Path) -> tuple[list[str], list[str]]:
+    """Copy the tokenizer and generation files of ``model_dir`` (plain files only), JSON ones
+    without :data:`_REMOTE_CODE_KEYS`; returns the names copied and a note per key left out."""
+    files, notes = [], []
+    for name in _COPIED:
+        src = model_dir / name
+        if not src.is_file() or src.is_symlink():
+            continue
+        doc = None
+        if name.endswith(".json"):
+            try:
+                doc = json.loads(src.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, ValueError):
+                doc = None
+        if isinstance(doc, dict) and any(k in doc for k in _REMOTE_CODE_KEYS):
+            notes.append(_remote_code_note(name, doc))
+            kept = {k: v for k, v in doc.items() if k not in _REMOTE_CODE_KEYS}
+            (directory / name).write_text(json.dumps(kept, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        else:
+            shutil.copyfile(src, directory / name)
+        files.append(name)
+    return files, notes
 
 
 def _is_embedding_tie(untied: list) -> bool:
@@ -425,9 +470,10 @@ def _versions(ct_version: str) -> dict:
 
 def write_checkpoint(qmodel: GraphModule, model_dir: str | os.PathLike, directory: str | os.PathLike, *,
                      inputs: Iterable[Any] | None = None, skip_unsupported: bool = False, model_class=None,
-                     record: dict | None = None) -> CompressedTensorsExport:
+                     record: dict | None = None, skip_flag: str = "skip_unsupported=True") -> CompressedTensorsExport:
     """:func:`export_compressed_tensors` into an existing empty ``directory`` (no atomic swap:
-    the caller's). Raises before writing anything when the recipe cannot be expressed."""
+    the caller's). Raises before writing anything when the recipe cannot be expressed;
+    ``skip_flag`` is how the caller names ``skip_unsupported`` there (the CLI: ``--skip-unsupported``)."""
     ct_version = check_available()
     if not isinstance(qmodel, GraphModule) or not qmodel.meta.get("quantkit_converted"):
         raise TypeError(f"export_compressed_tensors expects quantkit's converted model (quantkit.convert, quantize or "
@@ -457,7 +503,7 @@ def write_checkpoint(qmodel: GraphModule, model_dir: str | os.PathLike, director
         u = plan.unsupported[0]
         more = f" and {len(plan.unsupported) - 1} more layers" if len(plan.unsupported) > 1 else ""
         raise QuantkitError(f"compressed-tensors cannot express {u.what} ({u.module}{more}): {u.hint}, or pass "
-                            "--skip-unsupported (skip_unsupported=True) to keep those layers float")
+                            f"{skip_flag} to keep those layers float")
     if not plan.linears:
         why = f"; {plan.unsupported[0].what}: {plan.unsupported[0].hint}" if plan.unsupported else ""
         raise QuantkitError(f"no layer of the model can be stored int8 in the compressed-tensors format{why}")
@@ -481,11 +527,12 @@ def write_checkpoint(qmodel: GraphModule, model_dir: str | os.PathLike, director
     files = _save(tensors, directory)
     (directory / "config.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     files.append("config.json")
-    for name in _COPIED:
-        src = model_dir / name
-        if src.is_file() and not src.is_symlink():
-            shutil.copyfile(src, directory / name)
-            files.append(name)
+    source_config = _hf._config_json(model_dir)
+    notes = [_remote_code_note("config.json", source_config)] if any(k in source_config for k in _REMOTE_CODE_KEYS) \
+        else []
+    copied, copy_notes = _copy_files(model_dir, directory)
+    files += copied
+    notes += copy_notes
     floats = [t for k, t in tensors.items() if t.is_floating_point() and not is_float8(t.dtype)
               and not k.endswith("_scale")]
     dtype = floats[0].dtype if floats else torch.float32
@@ -494,13 +541,14 @@ def write_checkpoint(qmodel: GraphModule, model_dir: str | os.PathLike, director
     kept = tuple(f"{u.module}: {u.what}" for u in plan.unsupported)
     result = CompressedTensorsExport(path=directory, linears=len(plan.linears), kept_float=kept,
                                      dequantized=tuple(plan.weight_only), verification=verification,
-                                     versions=_versions(ct_version))
+                                     versions=_versions(ct_version), notes=tuple(notes))
     marker = {"format": _MARKER_FORMAT, "files": sorted(files + [MARKER_FILE]), "source": str(model_dir),
               "architecture": cls.__name__, "int8_linears": sorted(plan.linears), "kept_float": list(kept),
               "formats": sorted({layer.weight.format for layer in plan.linears.values()}),
               "kv_cache": sorted(plan.kv),
               "weight_only_dequantized": list(plan.weight_only), "untied": [list(g) for g in untied],
-              "verification": verification, "versions": result.versions, **(record or {})}
+              "verification": verification, "versions": result.versions, "notes": list(result.notes),
+              **(record or {})}
     (directory / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
     return result
 
@@ -545,10 +593,11 @@ def export_compressed_tensors(qmodel: GraphModule, model_dir: str | os.PathLike,
     """
     check_available()
     _hf.check_hf_dir(model_dir)
+    check_source(model_dir)
     path = check_out_dir(out_dir, overwrite=overwrite).absolute()
     with _atomic.atomic_dir(path, check=lambda: check_out_dir(path, overwrite=overwrite)) as tmp:
         result = write_checkpoint(qmodel, model_dir, tmp, inputs=inputs, skip_unsupported=skip_unsupported,
                                   model_class=model_class)
     return CompressedTensorsExport(path=Path(out_dir), linears=result.linears, kept_float=result.kept_float,
                                    dequantized=result.dequantized, verification=result.verification,
-                                   versions=result.versions)
+                                   versions=result.versions, notes=result.notes)

@@ -9,6 +9,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from quantkit.observers import QuantkitObserver
+from quantkit.observers._base import empty_message
 
 from .._errors import ConvertError
 from ._prepare import (
@@ -400,12 +401,24 @@ def _observe_weights_and_check(prepared: GraphModule) -> None:
         # only observers that declare it are refused; others (torchao's) give their own defaults
         if getattr(obs, "requires_calibration", False) and not getattr(obs, "is_dynamic", False) \
                 and not _is_calibrated(obs):
+            where = getattr(obs, "node_name", node.name)
+            shape = _empty_shape(node.args[0])
+            if shape is not None or getattr(obs, "saw_empty", False):  # a zero-size dimension, not missing data
+                raise ConvertError(empty_message(where, shape))
             hint = ("the model was never calibrated" if not prepared.meta.get("quantkit_calibrated_batches")
                     else "no calibration batch reached it")
             raise ConvertError(
-                f"observer at node '{getattr(obs, 'node_name', node.name)}' has seen no data ({hint}); "
+                f"observer at node '{where}' has seen no data ({hint}); "
                 "run quantkit.calibrate(prepared, data) before convert"
             )
+
+
+def _empty_shape(arg) -> tuple | None:
+    """The shape of the tensor ``arg`` holds when a dimension of it is known to be 0, else None."""
+    val = arg.meta.get("val") if isinstance(arg, Node) else None
+    if isinstance(val, torch.Tensor) and any(isinstance(d, int) and d == 0 for d in val.shape):
+        return tuple(int(d) if isinstance(d, int) else str(d) for d in val.shape)
+    return None
 
 
 def _delete_unused_submodules(gm: GraphModule) -> None:
