@@ -212,13 +212,15 @@ def test_symlinked_progress_dir_is_refused_and_its_target_untouched(inputs, tmp_
     before = _tree(victim)
     line = _refused(_args(model, calib, out), capsys, code=2 if target == "calib" else 1, inputs=[model, calib],
                     work=work, kept=PartialDir.beside(out))
-    assert ("symbolic link" in line) if target == "user-dir" else ("would overwrite the input" in line), line
+    assert (f"the progress directory {str(PartialDir.beside(out))!r} is a symbolic link" in line) \
+        if target == "user-dir" else ("would overwrite the input" in line), line
     assert _tree(victim) == before
 
 
 # --- 2. writes never follow links ----------------------------------------------------------------
 
 def test_planted_tmp_links_are_not_followed_and_resume_still_matches(inputs, killed, reference, tmp_path, capsys):
+    """Slow (a resumed run, ~15 s): the links must survive a whole run that writes beside them."""
     model, calib = inputs
     out, partial = _fresh_partial(killed)
     victim = tmp_path / "victim.txt"
@@ -271,10 +273,12 @@ def _scale_acts(tensors):
     tensors[key] = tensors[key] * 5
 
 
-@pytest.mark.parametrize("name,edit", [("block_0001.safetensors", _zero_int8), ("observers_0001.safetensors", _max_val),
-                                       ("acts/0001/batch_000000.safetensors", _scale_acts)])
+@pytest.mark.parametrize("name,edit,then_resume", [("block_0001.safetensors", _zero_int8, True),
+                                                   ("observers_0001.safetensors", _max_val, False),
+                                                   ("acts/0001/batch_000000.safetensors", _scale_acts, False)])
 def test_tampered_file_is_refused_naming_it_then_a_clean_resume_matches(inputs, killed, reference, capsys, name,
-                                                                         edit):
+                                                                         edit, then_resume):
+    """The refusal is immediate; the one clean resume after it (block file) takes a run's time."""
     model, calib = inputs
     out, partial = _fresh_partial(killed)
     original = (partial / name).read_bytes()
@@ -283,6 +287,8 @@ def test_tampered_file_is_refused_naming_it_then_a_clean_resume_matches(inputs, 
     line = _refused(_args(model, calib, out, "--resume"), capsys, code=1, inputs=[model, calib, partial],
                     work=killed[0], kept=partial)
     assert name in line and "changed after it was written" in line and "without --resume" in line, line
+    if not then_resume:  # one clean resume is enough (each takes a run's time)
+        return
     (partial / name).write_bytes(original)  # put back: the resumed run equals the uninterrupted one
     assert main(_args(model, calib, out, "--resume")) == 0, capsys.readouterr().err
     _same_artifact(out, reference)
@@ -407,7 +413,8 @@ sys.exit(main(sys.argv[2:]))
 
 def test_sigkilled_save_leftover_is_removed_by_the_next_write(tmp_path, capsys):
     """A real SIGKILL during save, the child not yet reaped (a zombie answers kill(pid, 0), so the
-    pid alone said 'alive' and the leftover stayed): the next write to the same --out removes it."""
+    pid alone said 'alive' and the leftover stayed): the next write to the same --out removes it.
+    Slow (~30 s): a child process up to its save, then a whole CLI write."""
     weights, calib = write_mlp_inputs(tmp_path, 64)
     work = tmp_path / "work"
     work.mkdir()
@@ -460,3 +467,47 @@ def test_leftover_on_a_recycled_pid_is_removed_but_a_live_writer_is_kept(tmp_pat
     _atomic.recover(out)  # its writer gone: now it goes too
     assert list(tmp_path.iterdir()) == []
 
+
+
+def test_progress_files_are_plain_safetensors_with_their_digest(tmp_path):
+    """The progress directory's own writer (no link followed, digest as it writes) makes files that
+    safetensors' reader takes back exactly, every dtype the run stores included."""
+    from safetensors.torch import load_file
+
+    from quantkit.pipeline._seq_state import Ledger
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"f32": torch.randn(3, 5, generator=g), "bf16": torch.randn(4, generator=g).bfloat16(),
+               "i8": torch.randint(-128, 127, (2, 3), generator=g, dtype=torch.int8), "scalar": torch.tensor(2.5),
+               "empty": torch.zeros(0, 4), "mask": torch.tensor([True, False, True]),
+               "fp8": torch.randn(6, generator=g).to(torch.float8_e4m3fn), "i64": torch.arange(7),
+               "view": torch.arange(12.0).reshape(3, 4)[:, 1], "obs\x00max_val": torch.tensor([1.0, -2.0])}
+    ledger = Ledger(tmp_path)
+    digest = ledger.save_tensors(tensors, tmp_path / "block_0000.safetensors")
+    assert digest == hashlib.sha256((tmp_path / "block_0000.safetensors").read_bytes()).hexdigest()
+    assert ledger.digests == {"block_0000.safetensors": digest}
+    back = load_file(str(tmp_path / "block_0000.safetensors"))
+    assert sorted(back) == sorted(tensors)
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and back[k].shape == t.shape, k
+        assert torch.equal(back[k].view(torch.uint8), t.contiguous().view(torch.uint8)) if t.dim() else \
+            torch.equal(back[k], t), k
+    assert [p.name for p in tmp_path.iterdir()] == ["block_0000.safetensors"]  # no temporary file left
+
+
+def test_atomic_tmp_dir_is_private_while_written_and_ordinary_after(tmp_path):
+    """export/_atomic.py's temporary directory: mode 0700 and locked while written, a fresh name
+    (never an existing path), the umask's mode once it is swapped in."""
+    out = tmp_path / "out"
+    with _atomic.atomic_dir(out) as tmp:
+        assert (tmp.stat().st_mode & 0o777) == 0o700 and not tmp.is_symlink()
+        assert ".out.quantkit-tmp-" in tmp.name and "-lk" in tmp.name
+        with pytest.raises(BlockingIOError):  # its writer holds the lock: recover() leaves it alone
+            _atomic._lock(tmp)
+        _atomic.recover(out)
+        assert tmp.is_dir()
+        (tmp / "f").write_text("x")
+    umask = os.umask(0o22)
+    os.umask(umask)
+    assert (out.stat().st_mode & 0o777) == 0o777 & ~umask
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -260,8 +260,8 @@ def _umask() -> int:
 
 def _make_tmp(path: Path) -> tuple[Path, int | None]:
     """A new temporary directory beside ``path`` (mode 0700), locked before anyone else can see it
-    unheld: it is made and locked under a name recover() ignores, then renamed to its
-    ``-tmp-`` name."""
+    unheld: it is made and locked under a ``-new-`` name (which recover() leaves alone while
+    our pid lives), then renamed to its ``-tmp-`` name."""
     tmp = _new_name(path, "tmp")
     staging = path.parent / f".{path.name}.quantkit-new-{os.getpid()}-{secrets.token_hex(4)}"
     os.mkdir(staging, 0o700)

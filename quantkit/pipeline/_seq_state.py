@@ -340,25 +340,52 @@ class PartialDir:
             return False
         return isinstance(doc, dict) and doc.get("kind") == _KIND and doc.get("run_id") == self.run_id
 
-    def open(self, resume: bool, fingerprint: dict, n_blocks: int) -> int:
-        """Prepare the directory; returns the last block already done (-1 for a fresh run).
+    def open(self, resume: bool, fingerprint: dict) -> int:
+        """Check the directory; returns the last block already done (-1 for a fresh run).
+        Call :meth:`set_blocks` once the model is cut into blocks (before anything is written).
 
         Without ``resume`` a previous partial run (ours) is discarded. With it, the run
-        continues after its last completed block.
+        continues after its last completed block, once the state record and every file it
+        lists have been checked against their SHA-256.
 
         Raises:
             QuantkitError: the directory is not ours (:meth:`claim`); or ``resume`` and the
-                partial run's state is damaged, or was made from other model files, another
-                recipe, other calibration data or other versions (the message says which).
+                partial run's state or files are damaged (named), or it was made from other
+                model files, another recipe, other calibration data or other versions (the
+                message says which).
         """
         self.fingerprint = json.loads(json.dumps(fingerprint, default=str))  # as state.json will hold it
-        self.n_blocks = n_blocks
         self.claim()
         if resume and os.path.lexists(self.path / "state.json"):
             state = self._read_state()
             self._compare(state)
             self.ledger.digests = dict(state["files"])
+            for b in range(state["done"] + 1):
+                for f in (self.block_file(b), self.observers_file(b)):
+                    if not os.path.lexists(f):
+                        raise _damaged(self.path, f"{f.name} is missing")
+            for key in sorted(state["files"]):  # the previous block's outputs, deleted after it, are gone
+                if os.path.lexists(self.path / key):
+                    self.ledger.verify(self.path / key)
+            self.n_blocks = state["blocks"]
             return state["done"]
+        self.n_blocks = 0  # a fresh run: the directory is made by set_blocks, once the model is checked
+        return -1
+
+    def set_blocks(self, n_blocks: int) -> None:
+        """The model's number of blocks: checked for a resumed run; for a fresh one, the directory
+        is (re)made here, with our marker (a previous partial run of this output is discarded).
+
+        Raises:
+            QuantkitError: the partial run cut the model into another number of blocks, or the
+                path is no longer ours (:meth:`claim`).
+        """
+        if self.n_blocks:
+            if self.n_blocks != n_blocks:
+                raise QuantkitError(f"the model now has {n_blocks} blocks, the partial run in {str(self.path)!r} "
+                                    f"{self.n_blocks}; {_RESTART}")
+            return
+        self.claim()
         if os.path.lexists(self.path):
             shutil.rmtree(self.path)  # claim(): ours
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -366,8 +393,8 @@ class PartialDir:
         self.ledger = Ledger(self.path)
         self.ledger.save_text(json.dumps({"kind": _KIND, "run_id": self.run_id}) + "\n", self.path / MARKER,
                               record=False)
+        self.n_blocks = n_blocks
         self._write_state(-1)
-        return -1
 
     def _read_state(self) -> dict:
         try:
@@ -414,9 +441,6 @@ class PartialDir:
             raise QuantkitError(f"{what} changed since the partial run in {str(self.path)!r}; {_RESTART}")
         if old != new:
             raise QuantkitError(f"the run's settings changed since the partial run in {str(self.path)!r}; {_RESTART}")
-        if state["blocks"] != self.n_blocks:
-            raise QuantkitError(f"the model now has {self.n_blocks} blocks, the partial run in {str(self.path)!r} "
-                                f"{state['blocks']}; {_RESTART}")
 
     def _write_state(self, done: int) -> None:
         body = {"version": STATE_VERSION, "run_id": self.run_id, "fingerprint": self.fingerprint,
@@ -439,12 +463,6 @@ class PartialDir:
 
     def mark_done(self, b: int) -> None:
         self._write_state(b)
-
-    def verify_blocks(self, done: int) -> None:
-        """Check the block and observer files of blocks 0..``done`` against their digests."""
-        for b in range(done + 1):
-            self.ledger.verify(self.block_file(b))
-            self.ledger.verify(self.observers_file(b))
 
     def restore_observers(self, done: int, observers: dict[str, torch.nn.Module]) -> None:
         """Load the observer buffers saved by blocks 0..``done`` (a later block's copy wins), each

@@ -134,7 +134,11 @@ def quantize_pretrained(model_dir: str | os.PathLike, calib_data: Iterable, quan
         out: write the artifact (``model.pt2`` + ``quantization.json``) there, atomically;
             the sequential path keeps its progress beside it (``.NAME.quantkit-partial``).
         sequential: force (True) or forbid (False) the block-by-block path.
-        resume: continue an interrupted sequential run from its last completed block.
+        resume: continue an interrupted sequential run from its last completed block. Every
+            file of the partial run is checked against the SHA-256 it was written with, and the
+            model files, recipe, calibration data and versions against the run's fingerprint
+            (``_Run._fingerprint``); a mismatch is one line naming it. The progress directory
+            must be this output's (its marker); nothing else at that path is used or removed.
         overwrite: replace ``out`` if it holds a quantkit artifact.
         task: the model class (see ``quantkit quantize --task``).
         progress: show a progress bar per block.
@@ -359,7 +363,7 @@ class _Run:
             partial = PartialDir(Path(tmp.name) / "partial", "in-memory")
         try:
             index = index_checkpoint(self.model_dir)
-            fingerprint = self._fingerprint(index)
+            done = partial.open(self.resume, self._fingerprint(index))  # a resume is checked before any work
             model = empty_model(self.model_dir, self.task)
             self.sources = _checkpoint_sources(model, index)
             self.index = index
@@ -371,7 +375,7 @@ class _Run:
             self.prepared, self.blocks = prepared, blocks
             self.observers = {str(n.target): prepared.get_submodule(str(n.target)) for n in prepared.graph.nodes
                               if is_observer_node(n, dict(prepared.named_modules()))}
-            done = partial.open(self.resume, fingerprint, len(blocks))
+            partial.set_blocks(len(blocks))
             self._calibrate(partial, done)
             result = self._finish(partial)
         finally:
@@ -399,8 +403,7 @@ class _Run:
                               ledger=partial.ledger) if SequentialGPTQ.wanted(self.prepared) else None
         later_inputs = [set().union(*(b.inputs for b in self.blocks[i + 1:])) for i in range(len(self.blocks))]
         if done >= 0:
-            try:  # every file is checked against the digest it was written with before it is used
-                partial.verify_blocks(done)
+            try:  # every file was checked against its digest by partial.open, and is again as it is read
                 partial.restore_observers(done, self.observers)
                 cache.resume(done)
                 for i in range(len(self.batches) if done < len(self.blocks) - 1 else 0):  # the tail hands nothing on
