@@ -120,19 +120,15 @@ def _run(inputs, tmp_path: Path, *, weights="w0.safetensors", calib="same", obse
     return proc.returncode, errs, out, seconds
 
 
-def _quantkit_lines(err: str) -> list[str]:
-    """What quantkit wrote (torch's import-time log lines, 'W1201 ... ]', are not ours)."""
-    return [ln for ln in err.splitlines() if ln.startswith("quantkit:")]
+def _lines(err: str) -> list[str]:
+    return [ln for ln in err.splitlines() if ln.strip()]
 
 
 def _check_failed(inputs, rc, errs, out, before) -> list[str]:
+    """Each given rank's stderr is one quantkit error line (nothing else: no c10d warnings either)."""
     root, sets = inputs
     assert rc != 0
-    lines = []
-    for r, err in enumerate(errs):
-        ours = _quantkit_lines(err)
-        assert "Traceback" not in err, err[-3000:]
-        lines.append(_error("\n".join(ours)))
+    lines = [_error(err) for err in errs]
     _no_leftovers(out)
     assert {p.name: _tree(p) for p in [root, *sets.values()]} == before, "an input changed"
     return lines
@@ -147,7 +143,7 @@ def test_ranks_with_the_same_inputs_succeed(inputs, tmp_path):
     """Positive control: the launcher and the per-rank arguments alone change nothing."""
     rc, errs, out, _ = _run(inputs, tmp_path, weights="w0.safetensors@@w0.safetensors", calib="same@@same")
     assert rc == 0, errs
-    assert all(not _quantkit_lines(e) for e in errs), errs
+    assert all(not _lines(e) for e in errs), errs
     assert (out / "quantization.json").is_file()
 
 
@@ -195,7 +191,7 @@ def test_a_rank_that_ends_during_calibration_is_named(inputs, tmp_path):
     before = _hashes(inputs)
     rc, errs, out, seconds = _run(inputs, tmp_path, fault="1:exits-in-calibration")
     assert rc != 0
-    assert not _quantkit_lines(errs[1]), errs[1]  # rank 1 ended without a word (os._exit)
+    assert not _lines(errs[1]), errs[1]  # rank 1 ended without a word (os._exit)
     zero = _check_failed(inputs, rc, errs[:1], out, before)[0]
     assert "rank 1 of 2 stopped answering at the exchange after a calibration pass" in zero, zero
     assert "its process ended" in zero and "unexpected failure" not in zero, zero
@@ -210,7 +206,7 @@ def test_a_rank_that_hangs_during_calibration_is_named_after_the_timeout(inputs,
     assert f"no answer within {TIMEOUT_S} s" in zero and "QUANTKIT_DIST_TIMEOUT" in zero, zero
     assert "unexpected failure" not in zero
     # rank 1 is stuck in its batch until torchrun stops it: at most torchrun's SIGTERM line
-    assert _quantkit_lines(errs[1]) in ([], ["quantkit: interrupted (SIGTERM)"]), errs[1]
+    assert _lines(errs[1]) in ([], ["quantkit: interrupted (SIGTERM)"]), errs[1]
     assert seconds < 90, seconds
 
 

@@ -35,6 +35,7 @@ import contextlib
 import gc
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -191,17 +192,35 @@ def _leave_done(launch: _Launch) -> None:
     if launch.rank == 0:
         return
     gc.collect()  # the model and its copies are garbage by now: free them while rank 0 works
-    s = store()
-    try:
-        s.wait([key("result", 0)], RESULT_WAIT)
-        outcome = s.get(key("result", 0)).decode("utf-8", "replace")
-    except Exception:  # the store (rank 0's, outside torchrun) went with rank 0
-        outcome = "its process ended before it reported"
+    outcome = _rank0_outcome()
     if outcome:
         err = DistributedError(f"rank 0 of {launch.world} failed after calibration ({clean(outcome)}); see its "
                                "error (it alone evaluates and writes)")
         _leave_together(launch)
         raise err
+
+
+def _poll(s, keys: list[str], seconds: float, every: float) -> bool:
+    """Whether every key is in store ``s`` within ``seconds``: checked every ``every`` seconds,
+    never waited on (a store wait that times out writes c10d warnings to stderr, and a signal
+    from torchrun is handled only once a wait returns)."""
+    deadline = time.monotonic() + seconds
+    while not s.check(keys):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(every)
+    return True
+
+
+def _rank0_outcome() -> str:
+    """Rank 0's posted outcome ("" for success)."""
+    s, k = store(), key("result", 0)
+    try:
+        if not _poll(s, [k], RESULT_WAIT.total_seconds(), every=0.2):
+            return f"no outcome within {RESULT_WAIT.total_seconds() / 3600:g} h"
+        return s.get(k).decode("utf-8", "replace")
+    except Exception:  # the store (rank 0's, outside torchrun) went with rank 0
+        return "its process ended before it reported"
 
 
 def _post_result(launch: _Launch, outcome: str) -> None:
@@ -217,30 +236,57 @@ def _leave_together(launch: _Launch) -> None:
         return
     with contextlib.suppress(Exception):
         s.set(key("leaving", launch.rank), "1")
-        s.wait([key("leaving", r) for r in range(launch.world)],
-               timedelta(seconds=min(LEAVE_WAIT_S, _timeout().total_seconds())))
+        _poll(s, [key("leaving", r) for r in range(launch.world)], min(LEAVE_WAIT_S, _timeout().total_seconds()),
+              every=0.02)
+
+
+def _agent_store(timeout: timedelta):
+    """torchrun's own store (it outlives every rank), before the process group exists; None elsewhere."""
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=timeout, wait_for_workers=False)
+    except Exception:  # no agent store to reach: init_process_group's own rendezvous decides
+        return None
+
+
+def _not_there(ranks: list[int], world: int, seconds: float) -> DistributedError:
+    who = (f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {world}" if ranks
+           else f"a rank of {world}")
+    err = DistributedError(
+        f"{who} did not reach calibration within {seconds:g} s (it failed or stopped before it, or is still "
+        "loading); see that rank's own error or log, or raise QUANTKIT_DIST_TIMEOUT if it is only slow; every "
+        "rank stops")
+    setattr(err, EXCHANGED, True)
+    setattr(err, PEER_LOST, True)
+    return err
 
 
 def _init(launch: _Launch) -> None:
-    """Create the process group; a rank that does not come within the timeout is one line."""
+    """Create the process group once every rank has arrived; the ranks that do not come within
+    the timeout are named in one line."""
     import torch.distributed as dist
 
     if launch.backend == "nccl":
         torch.cuda.set_device(launch.local_rank)
     timeout = _timeout()
+    seconds = timeout.total_seconds()
+    agent = _agent_store(timeout)
+    if agent is not None:  # arrive, then wait for the others ourselves: we can name who is missing
+        agent.set(key("arrived", launch.rank), "1")
+        arrived = [key("arrived", r) for r in range(launch.world)]
+        if not _poll(agent, arrived, seconds, every=0.1):
+            missing = [r for r in range(launch.world) if not agent.check([arrived[r]])]
+            raise _not_there(missing, launch.world, seconds)
     try:
         dist.init_process_group(launch.backend, timeout=timeout)
     except RuntimeError as exc:  # DistStoreError "wait timeout ...": a rank never came
         if not re.search(r"time[d ]?\s*out", str(exc), re.I):
             raise
-        who = f"rank {1 - launch.rank} of 2" if launch.world == 2 else f"a rank of {launch.world}"
-        err = DistributedError(
-            f"{who} did not reach calibration within {timeout.total_seconds():g} s (it failed or stopped "
-            "before it, or is still loading); see that rank's own error or log, or raise QUANTKIT_DIST_TIMEOUT "
-            "if it is only slow; every rank stops")
-        setattr(err, EXCHANGED, True)
-        setattr(err, PEER_LOST, True)
-        raise err from None
+        raise _not_there([1 - launch.rank] if launch.world == 2 else [], launch.world, seconds) from None
 
 
 def calibrate(prepared, batches: list, *, progress: bool):
