@@ -217,6 +217,31 @@ def test_existing_out_names_the_force_flag(bert_dir, sentences, tmp_path, capsys
     assert _beside(out) == []
 
 
+def test_unexpressible_layers_name_the_skip_unsupported_flag(bert_dir, sentences, tmp_path, capsys):
+    """Dynamic per-tensor int8 activations have no compressed-tensors scheme: the refusal names
+    --skip-unsupported, not the API's skip_unsupported=True, and nothing is written."""
+    out = tmp_path / "out"
+    line = _fails(_ct_args(bert_dir, sentences, out, "--scheme", "w8a8-dynamic", "--num-calib", "4"), capsys,
+                  code=1, inputs=[bert_dir, sentences], out=out)
+    assert "cannot express dynamic per-tensor activations" in line and "pass --skip-unsupported" in line, line
+    assert not any(w in line for w in _API_WORDS), line
+
+
+def test_int8_kv_cache_for_compressed_tensors_is_refused_up_front(bert_dir, sentences, tmp_path, capsys,
+                                                                   monkeypatch):
+    """quantkit's int8 KV cache ([-127, 127]) is not the format's ([-128, 127]): refused before the model
+    loads, in the CLI's words (it used to fail after calibration with kv_cache='fp8_e4m3')."""
+    from quantkit.cli import _cli_inputs
+
+    ran = []
+    monkeypatch.setattr(_cli_inputs, "load_model", lambda *a, **k: ran.append("load") or 1 / 0)
+    out = tmp_path / "out"
+    line = _fails(_ct_args(bert_dir, sentences, out, "--scheme", "fp8", "--kv-cache", "int8"), capsys, code=2,
+                  inputs=[bert_dir, sentences], out=out)
+    assert "--kv-cache int8" in line and "use --kv-cache fp8_e4m3" in line, line
+    assert not any(w in line for w in _API_WORDS) and not ran, (line, ran)
+
+
 # --- 3. zero-width layers -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("factory", ["zero_in", "zero_out"])

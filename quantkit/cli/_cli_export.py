@@ -59,6 +59,9 @@ def _refuse_unexpressible(args) -> None:
         why = "--scheme nf4 (compressed-tensors has no NF4 scheme): use --scheme w4a16"
     elif getattr(args, "kv_cache", None) == "fp8_e5m2":
         why = "--kv-cache fp8_e5m2 (the format's 8-bit float is E4M3): use --kv-cache fp8_e4m3"
+    elif getattr(args, "kv_cache", None) == "int8":  # quantizers.FP8Quantizer.kv_spec: symmetric [-127, 127]
+        why = ("--kv-cache int8 (quantkit's int8 KV cache is [-127, 127], the format's [-128, 127]): use "
+               "--kv-cache fp8_e4m3")
     elif getattr(args, "kv_cache", None) and getattr(args, "kv_granularity", None) == "per-head":
         why = "--kv-granularity per-head (quantkit writes per-tensor KV-cache scales): drop --kv-granularity"
     if why is not None:

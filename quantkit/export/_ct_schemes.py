@@ -331,8 +331,8 @@ class KVCache:
     def problem(self) -> tuple[str, str] | None:
         for act in (self.key, self.value):
             if isinstance(act, Float8Act) and act.scale is not None and act.scale.numel() != 1:
-                return "per-head KV-cache scales", "quantkit writes per-tensor KV-cache scales: quantize with " \
-                                                   "kv_granularity='per-tensor'"
+                return "per-head KV-cache scales", "quantkit writes per-tensor KV-cache scales: quantize the " \
+                                                   "KV cache per tensor"
             if act.kind != "static":
                 return "a dynamic KV-cache quantization", "the format stores static KV-cache scales"
             if isinstance(act, Float8Act):
@@ -341,7 +341,7 @@ class KVCache:
                     return (f"a {p[0].replace(' activations', '')} KV cache", p[1])
             elif act.dtype != torch.int8 or (act.quant_min, act.quant_max) != (-128, 127) or act.zero_point != 0:
                 return (f"a KV cache in {_name(act.dtype)} [{act.quant_min}, {act.quant_max}]",
-                        "the format's int8 KV cache is symmetric int8 in [-128, 127]: use kv_cache='fp8_e4m3'")
+                        "the format's int8 KV cache is symmetric int8 in [-128, 127]: use an fp8_e4m3 KV cache")
         return None
 
 
