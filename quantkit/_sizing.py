@@ -26,8 +26,8 @@ from pathlib import Path
 
 from ._errors import QuantkitError
 
-__all__ = ["TensorInfo", "ModelSize", "read_safetensors_header", "checkpoint_shapes", "check_config",
-           "available_memory", "format_bytes", "DTYPE_BYTES"]
+__all__ = ["TensorInfo", "ModelSize", "read_safetensors_header", "checkpoint_shapes", "layer_stack", "check_config",
+           "available_memory", "format_bytes", "size_field", "DTYPE_BYTES"]
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E8M0": 1, "F4": 1}
@@ -249,6 +249,25 @@ def _stacks(shapes: dict[str, TensorInfo]) -> dict[str, dict[int, int]]:
     return stacks
 
 
+def layer_stack(shapes: dict[str, TensorInfo]) -> tuple[str | None, int]:
+    """The checkpoint's largest numbered stack of layers, ``("model.layers", 32)``, from the
+    tensor names alone (``(None, 0)`` when no name has an integer component)."""
+    stacks = _stacks(shapes)
+    stack = max(stacks, key=lambda k: (max(stacks[k]) + 1, sum(stacks[k].values())), default=None)
+    return stack, (max(stacks[stack]) + 1 if stack is not None else 0)
+
+
+def size_field(doc: dict, names: tuple[str, ...]) -> int | None:
+    """The first of ``names`` set to a positive integer in config.json ``doc`` (or in a nested
+    sub-config), e.g. ``size_field(doc, ("num_attention_heads", "n_head"))``."""
+    for _, level in _levels(doc):
+        for name in names:
+            value = level.get(name)
+            if type(value) is int and value > 0:
+                return value
+    return None
+
+
 def _embeddings(shapes: dict[str, TensorInfo]) -> list[tuple[str, TensorInfo]]:
     """2-D token-embedding tables, largest first: ``embed_tokens``, ``word_embeddings``,
     ``wte``, ``shared``, ... (position and token-type tables left out)."""
@@ -309,8 +328,7 @@ def check_config(model_dir: str | os.PathLike, *, allow_missing: bool = False,
     dims = {d for t in shapes.values() for d in t.shape}
     largest_dim = max(dims, default=0)
     stacks = _stacks(shapes)
-    stack = max(stacks, key=lambda k: (max(stacks[k]) + 1, sum(stacks[k].values())), default=None)
-    layers = max(stacks[stack]) + 1 if stack is not None else 0
+    stack, layers = layer_stack(shapes)
     per_layer = max(stacks[stack].values()) if stack is not None else 0
     biggest_other = max((t.nbytes for k, t in shapes.items() if stack is None or not k.startswith(stack + ".")),
                         default=0)

@@ -11,12 +11,13 @@ and nothing left at ``--out``.
 from __future__ import annotations
 
 import json
-import resource
+import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -250,3 +251,102 @@ def _load(path: Path) -> dict:
     from safetensors.torch import load_file
 
     return load_file(str(path / "model.safetensors"))
+
+
+# --- a memory budget is a promise ------------------------------------------------------------
+
+# runs a command and reports its own children's peak RSS: a fresh interpreter without torch,
+# since Linux carries ru_maxrss across exec from the image a child was forked from (the pytest
+# process would otherwise be counted)
+_LAUNCHER = r"""
+import json, resource, subprocess, sys
+proc = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+print(json.dumps({"rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
+                  "maxrss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
+"""
+
+
+def _peak(cmd: list[str]) -> dict:
+    done = subprocess.run([sys.executable, "-c", _LAUNCHER, *cmd], capture_output=True, text=True, check=True,
+                          env={**os.environ, "TQDM_DISABLE": "1"})
+    return json.loads(done.stdout)
+
+
+def _random_llama(path: Path, *, hidden: int, intermediate: int, layers: int, vocab: int) -> int:
+    """A random-weight Llama checkpoint (save_pretrained layout) written tensor by tensor; its bytes."""
+    from safetensors.torch import save_file
+
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                                   num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                                   num_key_value_heads=hidden // 64, max_position_embeddings=128,
+                                   tie_word_embeddings=False)
+    cfg.architectures = ["LlamaForCausalLM"]
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in transformers.LlamaForCausalLM(cfg).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    tensors = {k: torch.ones(s) if k.endswith("norm.weight") else torch.randn(s, generator=g) * 0.02
+               for k, s in shapes.items()}
+    path.mkdir(parents=True)
+    cfg.save_pretrained(path)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def test_max_memory_is_kept(tmp_path):
+    """``--max-memory 160MiB`` on a 210 MiB fp32 Llama (6 layers, hidden 768, vocab 8192; the
+    in-memory path would need ~500 MiB): the CLI chooses the block-by-block path, says so in
+    one line, and its child's peak RSS stays within the budget plus the baseline of a child
+    that imports torch, transformers (with the model class, which transformers imports
+    lazily) and quantkit and does nothing else."""
+    model = tmp_path / "llama"
+    weights = _random_llama(model, hidden=768, intermediate=2048, layers=6, vocab=8192)
+    budget = 160 * 2 ** 20
+    assert budget < 0.8 * weights  # well below the checkpoint (and a third of what the in-memory path needs)
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    g = torch.Generator().manual_seed(1)
+    for i in range(4):
+        torch.save(torch.randint(0, 8192, (24,), generator=g), calib / f"s{i}.pt")
+    base = _peak([sys.executable, "-c", "import torch, transformers, quantkit, quantkit.cli; "
+                                        "transformers.LlamaForCausalLM"])
+    assert base["rc"] == 0, base["stderr"][-2000:]
+    out = tmp_path / "out"
+    run = _peak([sys.executable, "-m", "quantkit", "quantize", str(model), "--calib", str(calib), "--out", str(out),
+                 "--max-memory", "160MiB", "--seq-len", "32"])
+    assert run["rc"] == 0, run["stderr"][-2000:]
+    lines = [ln for ln in run["stdout"].splitlines() if ln.startswith("memory:")]
+    assert len(lines) == 1 and "block by block" in lines[0], run["stdout"]
+    assert json.loads((out / "quantization.json").read_text())["source"]["sequential"] is True
+    over = run["maxrss"] - base["maxrss"]
+    assert over <= budget, (f"peak RSS {run['maxrss'] / 2**20:.0f} MiB is {over / 2**20:.0f} MiB above the "
+                            f"baseline {base['maxrss'] / 2**20:.0f} MiB, more than --max-memory 160MiB")
+
+
+def test_budget_too_small_for_any_batch_is_refused(llama_dir, calib_dir, tmp_path, capsys):
+    """A budget the block-by-block path cannot keep even with one sequence per batch: one
+    line with the size it needs, before any block runs (nothing written)."""
+    line = _fails(["quantize", str(llama_dir), "--calib", str(calib_dir), "--out", str(tmp_path / "out"),
+                   "--max-memory", "1MiB"], capsys, code=1, inputs=[llama_dir, calib_dir], out=tmp_path / "out")
+    assert "--max-memory 1 MiB is too small to quantize block by block" in line, line
+    assert not any(p.name.startswith(".out.") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("size", ["lots", "-1GiB", "0", "0.0000001KiB", "nan", "inf", "4 GB RAM", "1e9"])
+def test_bad_max_memory_is_a_usage_error(size, llama_dir, calib_dir, tmp_path, capsys):
+    line = _fails(["quantize", str(llama_dir), "--calib", str(calib_dir), "--out", str(tmp_path / "out"),
+                   "--max-memory", size], capsys, code=2, inputs=[llama_dir, calib_dir], out=tmp_path / "out")
+    assert "--max-memory" in line, line
+
+
+def test_path_choice_is_reported(llama_dir, calib_dir, tmp_path, capsys):
+    """A budget the in-memory path fits: it is taken, and one line says so (none with --quiet)."""
+    args = ["quantize", str(llama_dir), "--calib", str(calib_dir), "--batch-size", "2", "--max-memory", "4GiB"]
+    assert main(args + ["--out", str(tmp_path / "a")]) == 0
+    said = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("memory:")]
+    assert len(said) == 1 and "quantizing in memory" in said[0] and "4 GiB" in said[0], said
+    assert json.loads((tmp_path / "a" / "quantization.json").read_text())["source"].get("sequential") is not True
+    from quantkit.cli import _cli_inputs, _cli_sequential
+
+    quiet = SimpleNamespace(max_memory="4GiB", sequential=False, resume=False, quiet=True, seq_len=128, batch_size=2)
+    assert _cli_sequential.wanted(quiet, _cli_inputs.ModelSpec("hf", path=str(llama_dir))) is False
+    assert capsys.readouterr().out == ""

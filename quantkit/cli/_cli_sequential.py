@@ -4,6 +4,10 @@ Chosen when the checkpoint does not fit the memory budget (or asked for): the mo
 calibrated one repeated unit at a time with its weights streamed from safetensors
 (:func:`quantkit.quantize_pretrained`). The float model is never in memory, so the
 artifact is not evaluated against it (``quantkit eval DIR`` does that where it fits).
+
+With ``--max-memory`` the choice between the paths is made from the checkpoint's measured
+sizes (:func:`quantkit.pipeline._budget.plan_memory`) and said in one line (unless
+``--quiet``); block by block, the calibration batches are made small enough for the budget.
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ from pathlib import Path
 
 from .. import _hf
 from .._errors import QuantkitError
+from ..pipeline._budget import MemoryPlan, bound_heap, plan_memory
 from . import _cli_data as datasets, _cli_inputs as inputs
 
-__all__ = ["wanted", "run_sequential"]
+__all__ = ["wanted", "run_sequential", "memory_plan"]
 
 
 def _budget(args) -> int | None:
@@ -34,23 +39,38 @@ def _model_dir(spec: inputs.ModelSpec) -> Path | None:
     return _hf.default_model_path() if spec.kind == "default" else Path(spec.path)
 
 
+def _forced(args) -> bool:
+    return bool(getattr(args, "sequential", False) or getattr(args, "resume", False))
+
+
+def memory_plan(args, spec: inputs.ModelSpec, samples: int | None = None) -> MemoryPlan | None:
+    """The memory plan of this run (None: no ``--max-memory`` or ``--sequential``, or a factory)."""
+    budget = _budget(args)
+    forced = _forced(args)
+    path = _model_dir(spec)
+    if path is None or (not forced and budget is None):
+        return None
+    from ..pipeline._meta_capture import index_checkpoint
+
+    index_checkpoint(path)  # safetensors weights, or one line saying the block-by-block path needs them
+    return plan_memory(path, budget, seq_len=args.seq_len, batch_size=args.batch_size, samples=samples,
+                       forced=forced)
+
+
 def wanted(args, spec: inputs.ModelSpec) -> bool:
     """Whether this run takes the block-by-block path: ``--sequential``/``--resume``, or a
-    ``--max-memory`` the in-memory path would not fit."""
-    budget = _budget(args)
-    forced = bool(getattr(args, "sequential", False) or getattr(args, "resume", False))
-    if not forced and budget is None:
+    ``--max-memory`` the in-memory path would not fit (by the checkpoint's measured sizes).
+    A ``--max-memory`` that the in-memory path fits is said in one line (unless ``--quiet``)."""
+    forced = _forced(args)
+    if forced and _model_dir(spec) is None:
+        raise inputs.UsageError("--sequential/--resume need a Hugging Face model directory with safetensors "
+                                "weights, not a factory")
+    plan = memory_plan(args, spec)
+    if plan is None:
         return False
-    path = _model_dir(spec)
-    if path is None:
-        if forced:
-            raise inputs.UsageError("--sequential/--resume need a Hugging Face model directory with safetensors "
-                                    "weights, not a factory")
-        return False
-    from ..pipeline._meta_capture import index_checkpoint
-    from ..pipeline._sequential import fits_in_memory
-
-    return forced or not fits_in_memory(index_checkpoint(path).total_bytes(), budget)
+    if not plan.sequential and not getattr(args, "quiet", False):
+        print(plan.line())
+    return plan.sequential
 
 
 def _check_flags(args) -> None:
@@ -75,6 +95,14 @@ def run_sequential(args, recipe, spec: inputs.ModelSpec, data, out: Path, say) -
     samples, origins = datasets.read_samples(data)
     split = datasets.split_samples(len(samples), num_calib=args.num_calib)
     split, _ = cq._nonfinite_split(samples, origins, split, args.skip_nonfinite, "calibration")
+    plan = memory_plan(args, spec, samples=len(split.calib))
+    if plan is not None:
+        plan.check()
+    batch_size = plan.batch_size if plan is not None and plan.budget is not None else args.batch_size
+    if plan is not None and not args.quiet:
+        say(plan.line(forced=_forced(args)))
+    if plan is not None and plan.budget is not None:
+        bound_heap()  # freed block weights go back to the system, not to a heap that stays resident
     model = empty_model(path, spec.task)  # on the meta device: names and signature only
     try:
         import transformers
@@ -84,11 +112,11 @@ def run_sequential(args, recipe, spec: inputs.ModelSpec, data, out: Path, say) -
         tokenizer = None
     loaded = inputs.LoadedModel(model, tokenizer, None, 0, None)
     calib, _ = cq._batches(samples, origins, split.calib, loaded, what="calibration", seq_len=args.seq_len,
-                           batch_size=args.batch_size, device=inputs.check_device("cpu"))
+                           batch_size=batch_size, device=inputs.check_device("cpu"))
     quantizer = recipe.quantizer([n for n, _ in model.named_modules()])
     del model
     source = {"model": spec.to_json(), "data": data.to_json(), "fingerprint": datasets.fingerprint(data),
-              "samples": len(samples), "seq_len": args.seq_len, "batch_size": args.batch_size,
+              "samples": len(samples), "seq_len": args.seq_len, "batch_size": batch_size,
               "sequential": True, "max_memory": args.max_memory}
     try:
         quantize_pretrained(path, calib, quantizer, max_memory=args.max_memory, out=out, sequential=True,

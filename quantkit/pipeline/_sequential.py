@@ -40,6 +40,7 @@ from ._convert import (FOLDED_PREFIX, QPARAMS_META_KEY, QUANTIZE_OPS, _SUPPORTED
                        _remove_unused_attributes, convert_in_place)
 from ._convert_fp8 import is_float8_observer
 from ._convert_groupwise import is_groupwise
+from ._budget import CACHE_SHARE, IN_MEMORY_FACTOR
 from ._meta_capture import CheckpointIndex, capture_without_weights, empty_model, index_checkpoint
 from ._partition import Block, partition, run_block
 from ._prepare import is_observer_node, prepare_in_place
@@ -48,9 +49,6 @@ from .._qmath import is_per_channel, underlying_dtype
 
 __all__ = ["quantize_pretrained", "parse_size", "fits_in_memory", "IN_MEMORY_FACTOR"]
 
-# the in-memory path holds the float weights and peaks at about 1.65x their size in total
-# (BENCHMARKS.md, "peak memory of quantize", BERT-base); 2x leaves room for activations
-IN_MEMORY_FACTOR = 2.0
 # environment hook for tests: SIGKILL the process right after block N is committed
 KILL_AFTER_ENV = "QUANTKIT_TEST_KILL_AFTER_BLOCK"
 
@@ -130,7 +128,7 @@ def quantize_pretrained(model_dir: str | os.PathLike, calib_data: Iterable, quan
             or tuples); the first batch is the example the model is captured with.
         quantizer: defaults to ``W8A8Quantizer()``.
         max_memory: the memory budget (bytes, or a size such as ``"4GiB"``); also bounds the
-            activations cached in memory (a quarter of it; the rest spill to disk).
+            activations cached in memory (``_budget.CACHE_SHARE`` of it twice; the rest spill to disk).
         out: write the artifact (``model.pt2`` + ``quantization.json``) there, atomically;
             the sequential path keeps its progress beside it (``.NAME.quantkit-partial``).
         sequential: force (True) or forbid (False) the block-by-block path.
@@ -379,6 +377,7 @@ class _Run:
             self._calibrate(partial, done)
             result = self._finish(partial)
         finally:
+            partial.release()
             if tmp is not None:
                 tmp.cleanup()
         partial.remove()
@@ -395,7 +394,7 @@ class _Run:
     def _calibrate(self, partial: PartialDir, done: int) -> None:
         from tqdm.auto import tqdm
 
-        act_budget = None if self.budget is None else self.budget // 4
+        act_budget = None if self.budget is None else int(self.budget * CACHE_SHARE)  # _budget.plan_memory
         cache = ActivationCache(partial.path, act_budget, partial.ledger)
         from ..accuracy._gptq_blocks import SequentialGPTQ  # the rounded stream, when weights ask for GPTQ
 
