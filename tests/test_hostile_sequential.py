@@ -248,6 +248,26 @@ def test_planted_link_inside_the_progress_dir_is_refused(inputs, killed, tmp_pat
     assert _tree(victim) == before
 
 
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_second_run_on_the_same_output_is_refused(inputs, killed, capsys, resume):
+    """While a run holds the progress directory (its flock), another run of the same --out neither
+    discards it nor resumes from under it."""
+    model, calib = inputs
+    out, partial = _fresh_partial(killed)
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               "fd = os.open(sys.argv[1], os.O_RDONLY)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+                               "print('locked', flush=True)\ntime.sleep(300)", str(partial)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        line = _refused(_args(model, calib, out, *(["--resume"] if resume else [])), capsys, code=1,
+                        inputs=[model, calib, partial], work=killed[0], kept=partial)
+        assert "another quantkit run is using the progress directory" in line, line
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 # --- 3. resume verifies what it trusts -----------------------------------------------------------
 
 def _edit_safetensors(path: Path, edit) -> None:

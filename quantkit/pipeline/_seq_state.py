@@ -36,6 +36,11 @@ import torch
 
 from .._errors import QuantkitError
 
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, no guard against a second run on the same output
+    fcntl = None
+
 __all__ = ["PartialDir", "ActivationCache", "Ledger", "STATE_VERSION", "MARKER", "digest_of", "file_digest",
            "fingerprint_tensors", "model_files_fingerprint"]
 
@@ -284,7 +289,8 @@ class PartialDir:
 
     It is created only where nothing exists, and reused or removed only where it holds our
     marker (:data:`MARKER`) with this output's run id; anything else there, a link, or a path
-    that is, holds or lies inside one of ``inputs`` is refused before any work.
+    that is, holds or lies inside one of ``inputs`` is refused before any work. While a run
+    uses it, it holds the directory's ``flock``: a second run of the same output is refused.
     """
 
     def __init__(self, path: Path, run_id: str, inputs: Iterable[Path] = ()) -> None:
@@ -294,6 +300,7 @@ class PartialDir:
         self.ledger = Ledger(self.path)
         self.fingerprint: dict = {}
         self.n_blocks = 0
+        self._lock_fd: int | None = None
 
     @staticmethod
     def beside(out: Path) -> Path:
@@ -356,6 +363,8 @@ class PartialDir:
         """
         self.fingerprint = json.loads(json.dumps(fingerprint, default=str))  # as state.json will hold it
         self.claim()
+        if os.path.lexists(self.path):
+            self._hold()
         if resume and os.path.lexists(self.path / "state.json"):
             state = self._read_state()
             self._compare(state)
@@ -387,9 +396,12 @@ class PartialDir:
             return
         self.claim()
         if os.path.lexists(self.path):
-            shutil.rmtree(self.path)  # claim(): ours
+            self._hold()
+            shutil.rmtree(self.path)  # claim(): ours, and no other run holds it
+            self.release()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         os.mkdir(self.path, 0o700)
+        self._hold()
         self.ledger = Ledger(self.path)
         self.ledger.save_text(json.dumps({"kind": _KIND, "run_id": self.run_id}) + "\n", self.path / MARKER,
                               record=False)
@@ -476,6 +488,29 @@ class PartialDir:
                 *path, attr = buf.split(".")
                 owner = obs.get_submodule(".".join(path)) if path else obs
                 owner._buffers[attr] = t
+
+    def _hold(self) -> None:
+        """Take the directory's flock for this run (the kernel drops it if the process dies).
+
+        Raises:
+            QuantkitError: another run (of the same output) holds it.
+        """
+        if fcntl is None or self._lock_fd is not None:
+            return
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise QuantkitError(f"another quantkit run is using the progress directory {str(self.path)!r}; wait "
+                                "for it to finish or choose another output path") from None
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        """Let go of the directory's flock (the files stay, for a later resume)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)
 
     def remove(self) -> None:
         """Delete the directory, if it is still ours (our marker, no link)."""

@@ -377,6 +377,7 @@ class _Run:
             self._calibrate(partial, done)
             result = self._finish(partial)
         finally:
+            partial.release()
             if tmp is not None:
                 tmp.cleanup()
         partial.remove()
