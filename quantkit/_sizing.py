@@ -30,7 +30,7 @@ __all__ = ["TensorInfo", "ModelSize", "read_safetensors_header", "checkpoint_sha
            "available_memory", "format_bytes", "size_field", "DTYPE_BYTES"]
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-               "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E8M0": 1, "F4": 1}
+               "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E8M0": 1, "F4": 1, "C64": 8}
 
 # safetensors refuses headers above 100 MB (safetensors/src/tensor.rs, MAX_HEADER_SIZE)
 _MAX_HEADER = 100_000_000
@@ -135,12 +135,14 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
         dtype = entry.get("dtype") if isinstance(entry, dict) else None
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
         if (not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape)
-                or dtype not in DTYPE_BYTES or not isinstance(offsets, list) or len(offsets) != 2
+                or not isinstance(dtype, str) or not isinstance(offsets, list) or len(offsets) != 2
                 or not all(type(o) is int for o in offsets)):
             raise _bad_file(path, f"header entry {key!r}")
         info = TensorInfo(tuple(shape), dtype, path.name)
         begin, end = offsets
-        if dtype != "F4" and not (0 <= begin <= end <= data and end - begin == info.nbytes):
+        if not 0 <= begin <= end <= data:
+            raise _bad_file(path, f"tensor {key!r} lies outside the file")
+        if dtype in DTYPE_BYTES and dtype != "F4" and end - begin != info.nbytes:  # sub-byte types: no fixed size
             raise _bad_file(path, f"tensor {key!r} does not fit its byte range")
         out[key] = info
     return out
@@ -167,9 +169,22 @@ def checkpoint_shapes(model_dir: str | os.PathLike) -> dict[str, TensorInfo] | N
     return out
 
 
+def _reclaimable(stat_file: str, key: str) -> int:
+    """Page cache the kernel drops before it refuses memory (``inactive_file`` of a cgroup)."""
+    try:
+        for line in Path(stat_file).read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def available_memory() -> int | None:
-    """Bytes this process can still use: MemAvailable, capped by a cgroup (v2 or v1) limit;
-    None where neither can be read (not Linux)."""
+    """Bytes this process can still use: MemAvailable, capped by a cgroup (v2 or v1) limit
+    less the cgroup's usage (its inactive page cache counted as free, as the kernel reclaims
+    it first); None where neither can be read (not Linux)."""
     free = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -177,16 +192,17 @@ def available_memory() -> int | None:
                 free = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for root, limit_name, usage_name, stat_key in (
+            ("/sys/fs/cgroup", "memory.max", "memory.current", "inactive_file"),
+            ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")):
         try:
-            limit = Path(limit_file).read_text().strip()
-            usage = int(Path(usage_file).read_text().strip())
+            limit = Path(root, limit_name).read_text().strip()
+            usage = int(Path(root, usage_name).read_text().strip())
         except (OSError, ValueError):
             continue
         if limit.isdigit() and int(limit) < 1 << 60:
-            left = max(0, int(limit) - usage)
+            usage -= _reclaimable(str(Path(root, "memory.stat")), stat_key)
+            left = max(0, int(limit) - max(0, usage))
             free = left if free is None else min(free, left)
         break
     return free
@@ -223,11 +239,14 @@ def _check_types(doc: dict) -> list[tuple[str, str, int, dict]]:
             if name not in level or level[name] is None:
                 continue
             value = level[name]
-            if type(value) is not int:  # bool, float (even 12.0), string, list, object
-                raise _field_error(prefix + name, value, f"is {type(value).__name__}, not a positive integer")
-            if value <= 0:
-                raise _field_error(prefix + name, value, "is not a positive integer")
-            fields.append((prefix + name, name, value, level))
+            # a list is one value per stage (Swin's num_heads, SegFormer's num_attention_heads)
+            items = value if isinstance(value, list) and value else [value]
+            for item in items:
+                if type(item) is not int:  # bool, float (even 12.0), string, object
+                    raise _field_error(prefix + name, value, f"is {type(item).__name__}, not a positive integer")
+                if item <= 0:
+                    raise _field_error(prefix + name, value, "is not a positive integer")
+            fields.append((prefix + name, name, max(items), level))
     return fields
 
 
