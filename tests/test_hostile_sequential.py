@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import quantkit
+from quantkit._fsutil import lock_dir
 from quantkit.cli import main
 from quantkit.export import _atomic
 from quantkit.pipeline import _sequential
@@ -494,7 +495,7 @@ def test_progress_files_are_plain_safetensors_with_their_digest(tmp_path):
     safetensors' reader takes back exactly, every dtype the run stores included."""
     from safetensors.torch import load_file
 
-    from quantkit.pipeline._seq_state import Ledger
+    from quantkit.pipeline._seq_files import Ledger
 
     g = torch.Generator().manual_seed(0)
     tensors = {"f32": torch.randn(3, 5, generator=g), "bf16": torch.randn(4, generator=g).bfloat16(),
@@ -523,7 +524,7 @@ def test_atomic_tmp_dir_is_private_while_written_and_ordinary_after(tmp_path):
         assert (tmp.stat().st_mode & 0o777) == 0o700 and not tmp.is_symlink()
         assert ".out.quantkit-tmp-" in tmp.name and "-lk" in tmp.name
         with pytest.raises(BlockingIOError):  # its writer holds the lock: recover() leaves it alone
-            _atomic._lock(tmp)
+            lock_dir(tmp)
         _atomic.recover(out)
         assert tmp.is_dir()
         (tmp / "f").write_text("x")

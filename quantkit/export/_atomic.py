@@ -25,20 +25,17 @@ import ctypes
 import ctypes.util
 import errno
 import os
-import stat
 import re
 import secrets
 import shutil
 import signal
+import stat
 import sys
 import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
-try:
-    import fcntl
-except ImportError:  # Windows: no flock; the pid alone decides
-    fcntl = None
+from .._fsutil import HAS_FLOCK, lock_dir, unlock
 
 __all__ = ["atomic_dir", "recover", "Terminated", "sigterm_as_interrupt", "exchange"]
 
@@ -112,35 +109,15 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def _lock(path: Path) -> int | None:
-    """An open descriptor of directory ``path`` holding an exclusive flock, or None where the
-    platform has no flock. Raises BlockingIOError when another descriptor holds it."""
-    if fcntl is None:
-        return None
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
-                 | getattr(os, "O_CLOEXEC", 0))
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _unlock(fd: int | None) -> None:
-    if fd is not None:
-        os.close(fd)  # closing the descriptor drops the flock
-
-
 def _writer_gone(path: Path, pid: int, locked_form: bool) -> bool:
     """Whether the writer of the temporary directory ``path`` is gone: its flock is free (a
     dead writer holds none, whatever its pid now names), or, for the unlocked form, its pid is dead."""
     if not _pid_alive(pid):
         return True
-    if not locked_form or fcntl is None:
+    if not locked_form or not HAS_FLOCK:
         return False
     try:
-        _unlock(_lock(path))
+        unlock(lock_dir(path))
     except BlockingIOError:
         return False  # held: a writer is at work
     except OSError:
@@ -219,7 +196,7 @@ def _replace(tmp: Path, path: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # now the old contents
         return
     old = _new_name(path, "old")
-    held = _lock(path)  # before it takes the -old- name: never seen there unheld while we live
+    held = lock_dir(path)  # before it takes the -old- name: never seen there unheld while we live
     try:
         os.rename(path, old)
         try:
@@ -229,7 +206,7 @@ def _replace(tmp: Path, path: Path) -> None:
             raise
         shutil.rmtree(old, ignore_errors=True)
     finally:
-        _unlock(held)
+        unlock(held)
 
 
 def _fsync(path: Path, directory: bool = False) -> None:
@@ -266,14 +243,14 @@ def _make_tmp(path: Path) -> tuple[Path, int | None]:
     staging = path.parent / f".{path.name}.quantkit-new-{os.getpid()}-{secrets.token_hex(4)}"
     os.mkdir(staging, 0o700)
     try:
-        held = _lock(staging)
+        held = lock_dir(staging)
     except BaseException:
         os.rmdir(staging)
         raise
     try:
         os.rename(staging, tmp)
     except BaseException:
-        _unlock(held)
+        unlock(held)
         os.rmdir(staging)
         raise
     return tmp, held
@@ -326,5 +303,5 @@ def atomic_dir(path: str | os.PathLike, *, before_commit: Callable[[Path], None]
                         p.rmdir()
             raise
         finally:
-            _unlock(held)
+            unlock(held)
         _fsync(path.parent, directory=True)

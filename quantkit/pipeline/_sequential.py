@@ -44,7 +44,8 @@ from ._budget import CACHE_SHARE, IN_MEMORY_FACTOR
 from ._meta_capture import CheckpointIndex, capture_without_weights, empty_model, index_checkpoint
 from ._partition import Block, partition, run_block
 from ._prepare import is_observer_node, prepare_in_place
-from ._seq_state import ActivationCache, PartialDir, digest_of, model_files_fingerprint
+from ._seq_files import digest_of, model_files_fingerprint
+from ._seq_state import ActivationCache, PartialDir
 from .._qmath import is_per_channel, underlying_dtype
 
 __all__ = ["quantize_pretrained", "parse_size", "fits_in_memory", "IN_MEMORY_FACTOR"]
@@ -385,7 +386,7 @@ class _Run:
 
     def _fingerprint(self, index: CheckpointIndex) -> dict:
         """What a resumed run must share with the partial one: config.json, the tokenizer files and
-        the checkpoint files (digests; sampled for files over 1 GiB, see ``_seq_state.file_digest``),
+        the checkpoint files (digests; sampled for files over 1 GiB, see ``_seq_files.file_digest``),
         the recipe, the task, the calibration data, and the quantkit and torch versions."""
         return {**model_files_fingerprint(self.model_dir, {f for f, _, _ in index.entries.values()}),
                 "recipe": self.recipe or _recipe_of(self.quantizer), "task": self.task,
