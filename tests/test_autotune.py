@@ -114,6 +114,7 @@ class _FakeMeter:
 
     def __init__(self, gm, inputs, **kw):
         self.kinds = {}
+        self.notes = ["planted note"]  # what Meter.notes carries: ignored cache entries
 
     def int8(self, qmodel, kind):
         self.kinds[kind] = {"static": 2.0, "per-token": 8.0}.get(kind, 5.0)
@@ -215,6 +216,7 @@ def test_cli_unreachable_target_writes_the_best_with_a_warning(mlp_files, tmp_pa
     assert tuned["speed"] == {"int8_ms": 2.0, "fp32_ms": 6.0, "bf16_ms": 3.0, "vs_fp32": 3.0, "vs_bf16": 1.5}
     md = (out / "report.md").read_text()
     assert "## Recipe search" in md and "NOT met" in md and "(**3.00x**)" in md
+    assert tuned["cache_notes"] == ["planted note"] and "- planted note" in md  # the meter's notes are reported
 
 
 def test_latency_cache_is_keyed_by_graph_structure(tmp_path, monkeypatch):

@@ -496,3 +496,26 @@ def test_int4_status_without_building_sees_a_planted_library(int4_cache, planted
     status = quantkit.kernels.int4_cpu_status(build=False)
     assert not status.available and status.fault and "does not match the SHA-256" in status.reason, status
     assert not (tmp_path / "MARKER").exists()
+
+
+def test_ignored_latency_entries_reach_the_autotune_report(meter_env):
+    """The issue's case: a cache entry of Infinity decided the recipe without a word. Every entry of a
+    first search is rewritten to Infinity; the second search measures again, picks what the clean one
+    picked, and its report (and ``str(report)``) lists each ignored entry."""
+    from tests.cli_factories import mlp
+
+    _, calls, path = meter_env
+    torch.manual_seed(0)
+    model = mlp().eval()
+    calib = [(torch.randn(16, 64),) for _ in range(4)]
+    held = [(torch.randn(16, 64),) for _ in range(2)]
+    _, clean = quantkit.autotune(model, calib[0], calib, held, target=0.99)
+    assert clean.notes == [] and calls
+    entries = json.loads(path.read_text())
+    path.write_text("{" + ", ".join(f"{json.dumps(k)}: Infinity" for k in entries) + "}")
+    measured = len(calls)
+    _, again = quantkit.autotune(model, calib[0], calib, held, target=0.99)
+    assert again.chosen == clean.chosen
+    assert len(calls) > measured, "the Infinity entries were used instead of measuring again"
+    assert again.notes and all("ignored and measured again" in n for n in again.notes), again.notes
+    assert all(f"note: {n}" in str(again) for n in again.notes)

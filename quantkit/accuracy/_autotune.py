@@ -121,6 +121,8 @@ class AutotuneReport:
         trials: every recipe in order, tried or skipped.
         eval_source: where the held-out data came from.
         speed: compiled latencies (ms) of the chosen model and, when measured, fp32 and bf16.
+        notes: latency-cache entries (or the cache file) that were ignored and measured again, one
+            line each (a cache is data: only finite positive latencies are taken from it).
     """
 
     metric: str
@@ -131,6 +133,7 @@ class AutotuneReport:
     trials: list[Trial]
     eval_source: str = ""
     speed: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
 
     @property
     def chosen_trial(self) -> Trial:
@@ -151,6 +154,7 @@ class AutotuneReport:
             score = "-" if t.score is None else f"{t.score:.5f}"
             lat = "-" if t.latency_ms is None else f"{t.latency_ms:.2f} ms"
             lines.append(f"  {t.recipe:<24} {score:>9} {lat:>12}  {t.status}")
+        lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -371,6 +375,7 @@ def autotune(model: torch.nn.Module, example_inputs: Any, calib: Iterable, eval_
             report.speed.update(meter.floats(model))
         except Exception as exc:  # e.g. a graph with float32 constants baked in cannot run in bf16
             report.speed["error"] = " ".join(str(exc).split())[:150] or type(exc).__name__
+    report.notes = list(meter.notes) if meter is not None else []
     if not report.met:
         warnings.warn(f"autotune: {reason}; returning it anyway", stacklevel=2)
     return qmodel, report

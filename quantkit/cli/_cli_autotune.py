@@ -195,7 +195,8 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
            "chosen": chosen.recipe, "met": chosen.status == "met", "reason": reason,
            "trials": [dataclasses.asdict(t) for t in trials], "speed": speed,
            "latency_note": "compiled (quantkit.compile / Inductor freezing), median ms per call on one "
-                           "calibration batch, cached in " + str(_latency.cache_path())}
+                           "calibration batch, cached in " + str(_latency.cache_path()),
+           "cache_notes": list(meter.notes) if meter is not None else []}
     if not auto_mode:
         doc["reason"] = f"forced with --recipe {chosen.recipe}"
         doc["met"] = chosen.score is not None and chosen.score >= target
@@ -241,4 +242,7 @@ def render(doc: dict) -> list[str]:
                   f"{doc['latency_note']}.", ""]
     elif "error" in s:
         lines += [f"Compiled speed not measured: {s['error']}.", ""]
+    if doc.get("cache_notes"):
+        lines += ["Latency cache entries ignored and measured again:", ""]
+        lines += [f"- {note}" for note in doc["cache_notes"]] + [""]
     return lines

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..export import _artifact
+from ..lowering._weight_only import kernel_choices
 from . import _cli_data as datasets, _cli_inputs as inputs, _cli_report as report
 from ._cli_quantize import REPORT_JSON, TOKENIZER_DIR
 from .._errors import QuantkitError
@@ -116,6 +117,10 @@ def run_inspect(args, say, warn) -> int:
     weights = ", ".join(f"{n} {d} weights" for d, n in wdtypes.items()) or "0 weights"
     say(f"  tensors:  {weights}, {kinds['activation']} static activations, "
         f"{kinds['dynamic']} dynamic activations")
+    if "int4" in wdtypes or "uint4" in wdtypes:  # whether our CPU int4 kernel would run them here (checked, not built)
+        from ..kernels import int4_cpu_status  # not at import: quantkit.kernels decorates Triton kernels
+
+        say(f"  kernel:   {int4_cpu_status(build=False).describe()}")
     m = rep.get("metric")
     if m:
         say(f"  accuracy: {m.get('name')} mean {_number(m.get('mean_cosine'))}, min {_number(m.get('min_cosine'))}, "
@@ -347,6 +352,10 @@ def run_eval(args, say, warn) -> int:
               "speedup": round(speedup, 3)}
     if note:
         result["note"] = note
+    # which kernel each int4 layer got, and why not ours (a refused or unbuildable kernel is said, never silent)
+    kernels = kernel_choices(timed[int8_name]) if result["compiled"] else []
+    if kernels:
+        result["kernels"] = kernels
     if args.json:
         say(json.dumps(report.json_safe(result), indent=2, allow_nan=False), block=True)
         return 0
@@ -364,6 +373,8 @@ def run_eval(args, say, warn) -> int:
     say(report.render_table([{"model": k, **v} for k, v in timing.items()],
                             ["model", "median_ms_per_batch", "samples_per_s", "batches"]), block=True)
     say(f"int8 speedup over float: {speedup:.2f}x")
+    for line in kernels:
+        say(line)
     if note:
         say(f"(compiled models not timed: {note}; timed the eager reference instead)")
     return 0

@@ -236,7 +236,20 @@ def _one_line(exc: BaseException) -> str:
     return _RAW_TYPES.sub("", text) or "no message"
 
 
+def _private_inductor_cache() -> None:
+    """Point Inductor at quantkit's checked 0700 folder (``kernels.private_inductor_cache``) unless the
+    user chose one: its default, ``/tmp/torchinductor_$USER``, is made by whoever comes first and the
+    libraries in it are loaded unchecked. Must run before anything touches Inductor."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return
+    from ..kernels._kernel_cache import private_inductor_cache
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(private_inductor_cache())
+
+
 def _run(args) -> int:
+    if args.command in ("quantize", "eval"):  # the commands that compile
+        _private_inductor_cache()
     if args.command == "quantize":
         from ._cli_quantize import run_quantize
         from ._distributed import torchrun_group
@@ -305,11 +318,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             from ._cli_inputs import UsageError
             from .._errors import QuantkitError
+            from ..kernels._kernel_cache import KernelLoadError
 
             if isinstance(exc, UsageError):
                 _stderr_line(f"quantkit: error: {_one_line(exc)}")
                 return EXIT_USAGE
-            if isinstance(exc, (QuantkitError, ValueError, TypeError)):  # user errors of the API, one line
+            if isinstance(exc, (QuantkitError, ValueError, TypeError, KernelLoadError)):  # user errors, one line
                 _stderr_line(f"quantkit: error: {_one_line(exc)}")
             elif isinstance(exc, OSError) and exc.strerror:
                 where = f" ({exc.filename})" if exc.filename else ""
