@@ -190,8 +190,8 @@ def bound_heap() -> None:
     after the first block's weights are freed, the next block's are served from the heap,
     whose freed space stays resident; a fixed threshold (``mallopt(M_MMAP_THRESHOLD)``, which
     turns the adjustment off) keeps every tensor of 1 MiB or more in its own mapping, unmapped
-    when freed (measured: 105 MiB less peak RSS on a 320 MiB Llama, block by block). A no-op
-    on other C libraries.
+    when freed (measured: 598 instead of 687 MiB peak RSS for ``quantkit quantize --max-memory
+    160MiB`` of a 210 MiB fp32 Llama, 6 layers, hidden 768). A no-op on other C libraries.
     """
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return
