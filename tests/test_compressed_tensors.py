@@ -277,8 +277,12 @@ def test_skip_unsupported_keeps_attention_matmuls_float(tmp_path):
     with torch.no_grad():
         want, got, q = ref(**batch)["last_hidden_state"], loaded(**batch).last_hidden_state, \
             qmodel(**batch)["last_hidden_state"]
-    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
-    assert not torch.allclose(got, q, atol=1e-5)  # the matmuls' quantization did change the output
+    # float32 summation order differs between the two graphs' kernels: measured max 6.2e-5 on an AVX2-only
+    # AMD EPYC (Zen 3), below 1e-5 on AVX-512 Xeons. The matmuls' quantization itself moves this tiny
+    # random model's output by ~4e-4 (measured), so the loaded model must sit far closer to the reference
+    err, moved = (got - want).abs().max(), (got - q).abs().max()
+    assert err < 1.5e-4, err
+    assert moved > 4 * err, (moved, err)  # the matmuls' quantization did change the output, beyond that noise
 
 
 def test_bad_inputs_are_one_line_errors(llama, tmp_path, capsys, monkeypatch):

@@ -365,11 +365,15 @@ def test_tiny_bert(bert, bert_captured, tmp_path, scheme):
     for key, t in first.items():
         assert t.dtype == second[key].dtype and torch.equal(t.view(torch.uint8), second[key].view(torch.uint8)), key
     assert json.loads((again / "config.json").read_text()) == json.loads((out / "config.json").read_text())
-    # without its records the loaded graph names no layer: one line
+    # without its records the artifact is unverified (refused unless asked for), and the loaded graph
+    # names no layer: one line
     (tmp_path / "artifact" / "quantization.json").unlink()
+    with pytest.raises(quantkit.QuantkitError, match="cannot be verified"):
+        quantkit.load(tmp_path / "artifact")
+    with pytest.warns(UserWarning, match="not verified|cannot be verified"):
+        bare = quantkit.load(tmp_path / "artifact", allow_unverified=True)
     with pytest.raises(quantkit.QuantkitError, match="has no quantization.json records to name its layers"):
-        quantkit.export_compressed_tensors(quantkit.load(tmp_path / "artifact"), directory, tmp_path / "x",
-                                           inputs=[heldout])
+        quantkit.export_compressed_tensors(bare, directory, tmp_path / "x", inputs=[heldout])
     assert not (tmp_path / "x").exists()
 
 
