@@ -64,3 +64,32 @@ def test_weight_only_usage_errors(mlp_inputs, tmp_path, capsys, extra, code, mes
     assert message in err, err
     assert not out.exists()
 
+
+
+def _cpu_has_vnni() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return True  # unknown: no expectation
+    return "avx512_vnni" in flags
+
+
+def test_int4_report_and_inspect_say_whether_the_cpu_kernel_runs(mlp_inputs, tmp_path, capsys):
+    """No silent fallback (issue 26): an int4 artifact's report and ``inspect`` say whether
+    quantkit::int4_linear_cpu runs here and why not; a scheme without int4 weights says nothing."""
+    weights, calib = mlp_inputs
+    out, nf4 = tmp_path / "int4", tmp_path / "nf4"
+    assert main(_args(weights, calib, out, "--scheme", "w4a16", "--group-size", "32")) == 0
+    assert main(_args(weights, calib, nf4, "--scheme", "nf4")) == 0
+    k = json.loads((out / "report.json").read_text())["kernels"]["int4_cpu"]
+    assert k["kernel"] == "quantkit::int4_linear_cpu" and k["reason"]
+    if not _cpu_has_vnni():  # independent of the kernel's own check: the CPU's flags
+        assert k["available"] is False and "VNNI" in k["reason"].upper(), k
+    assert f"Kernel quantkit::int4_linear_cpu: {'available' if k['available'] else 'unavailable'}" \
+        in (out / "report.md").read_text()
+    assert "kernels" not in json.loads((nf4 / "report.json").read_text())
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    assert "  kernel:   quantkit::int4_linear_cpu: " in capsys.readouterr().out
+    assert main(["inspect", str(nf4)]) == 0
+    assert "kernel:" not in capsys.readouterr().out

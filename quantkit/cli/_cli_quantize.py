@@ -456,6 +456,11 @@ def run_quantize(args, say) -> int:
                                "int8_gemm_fraction": fallback.int8_gemm_fraction}
         if ct_export is not None:
             rep["compressed_tensors"] = _cli_export.summary(ct_export)
+        if any(str(r.get("dtype")) in ("int4", "uint4") for r in records):
+            # whether quantkit's CPU int4 kernel runs these weights here, and why not (checked, not built)
+            from ..kernels import int4_cpu_status  # not at import: quantkit.kernels decorates Triton kernels
+
+            rep["kernels"] = {"int4_cpu": int4_cpu_status(build=False).to_dict()}
         _artifact.write_json(tmp / REPORT_JSON, report.json_safe(rep))
         (tmp / REPORT_MD).write_text(report.render_report(rep), encoding="utf-8")
     extra = f", top-1 agreement {metric['top1_agreement']:.4f}" if "top1_agreement" in metric else ""

@@ -363,6 +363,8 @@ def render_report(report: dict) -> str:
         from ._cli_autotune import render
 
         lines += render(report["autotune"])
+    for k in (report.get("kernels") or {}).values():  # e.g. the CPU int4 kernel: runs here, or why not
+        lines += [f"Kernel {k['kernel']}: {'available' if k['available'] else 'unavailable'} ({k['reason']}).", ""]
     if d.get("nonfinite_skipped"):
         lines += [f"{d['nonfinite_skipped']} samples holding NaN or inf were left out (--skip-nonfinite), "
                   f"e.g. {', '.join(d['nonfinite_examples'])}.", ""]

@@ -396,7 +396,7 @@ def _observe_weights_and_check(prepared: GraphModule) -> None:
         if algorithm not in (None, "rtn") and not getattr(obs, "has_fixed_qparams", True):
             raise ConvertError(
                 f"the weight at node '{getattr(obs, 'node_name', node.name)}' is to be rounded by {algorithm}, "
-                "which needs calibration data: run quantkit.calibrate(prepared, batches) before convert"
+                "which needs calibration data: run quantkit.calibrate(prepared, data) before convert"
             )
         # only observers that declare it are refused; others (torchao's) give their own defaults
         if getattr(obs, "requires_calibration", False) and not getattr(obs, "is_dynamic", False) \
