@@ -228,12 +228,18 @@ def test_checkpoint_tensors_that_do_not_fit(case, needle, bert_copy, sentences, 
     assert "--allow-missing-weights" in line
 
 
-def test_config_of_another_architecture_over_bert_weights(bert_copy, sentences, tmp_path, capsys):
-    transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=30522,
+@pytest.mark.parametrize("n_positions", [128, None])
+def test_config_of_another_architecture_over_bert_weights(bert_copy, sentences, tmp_path, capsys, n_positions):
+    """With sizes that fit the checkpoint, the weights' names do not fit the class; with GPT-2's default
+    1024 positions over BERT's 128-row table, the size check (before anything is built) says so first."""
+    transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=30522, n_positions=n_positions or 1024,
                             architectures=["GPT2LMHeadModel"]).save_pretrained(str(bert_copy))
     out = tmp_path / "out"
     line = _fails(["quantize", str(bert_copy), "--calib", str(sentences), "--out", str(out), "--quiet"], capsys,
                   code=1, inputs=[bert_copy, sentences], out=out)
+    if n_positions is None:
+        assert "n_positions = 1024" in line and "bert.embeddings.position_embeddings.weight has 128 rows" in line
+        return
     assert "do not fit GPT2LMHeadModel" in line
     assert re.search(r"\d+ missing \(.*\), \d+ unexpected \(bert\.", line), line
 

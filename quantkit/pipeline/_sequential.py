@@ -40,7 +40,7 @@ from ._convert import (FOLDED_PREFIX, QPARAMS_META_KEY, QUANTIZE_OPS, _SUPPORTED
                        _remove_unused_attributes, convert_in_place)
 from ._convert_fp8 import is_float8_observer
 from ._convert_groupwise import is_groupwise
-from ._budget import CACHE_SHARE, IN_MEMORY_FACTOR
+from ._budget import CACHE_SHARE, IN_MEMORY_FACTOR, bound_heap, plan_memory
 from ._meta_capture import CheckpointIndex, capture_without_weights, empty_model, index_checkpoint
 from ._partition import Block, partition, run_block
 from ._prepare import is_observer_node, prepare_in_place
@@ -48,7 +48,7 @@ from ._seq_files import digest_of, model_files_fingerprint
 from ._seq_state import ActivationCache, PartialDir
 from .._qmath import is_per_channel, underlying_dtype
 
-__all__ = ["quantize_pretrained", "parse_size", "fits_in_memory", "IN_MEMORY_FACTOR"]
+__all__ = ["quantize_pretrained", "parse_size", "IN_MEMORY_FACTOR"]
 
 # environment hook for tests: SIGKILL the process right after block N is committed
 KILL_AFTER_ENV = "QUANTKIT_TEST_KILL_AFTER_BLOCK"
@@ -77,11 +77,6 @@ def parse_size(value) -> int:
     if size <= 0:
         raise ValueError(f"memory size must be positive, got {value!r}")
     return size
-
-
-def fits_in_memory(weight_bytes: int, budget: int | None) -> bool:
-    """Whether the in-memory path should fit ``budget`` bytes for a checkpoint of ``weight_bytes``."""
-    return budget is None or weight_bytes * IN_MEMORY_FACTOR <= budget
 
 
 def _batches(calib_data) -> list:
@@ -117,8 +112,9 @@ def quantize_pretrained(model_dir: str | os.PathLike, calib_data: Iterable, quan
                         dynamic_shapes=None, source: dict | None = None):
     """Quantize the Hugging Face checkpoint in ``model_dir``, block by block when it does not fit.
 
-    With ``max_memory`` smaller than the in-memory path needs (:data:`IN_MEMORY_FACTOR` times
-    the checkpoint's weights), or ``sequential=True``, the model is calibrated one repeated
+    With ``max_memory`` smaller than the in-memory path needs (measured from the checkpoint's
+    tensor shapes and the batches' sizes: :func:`quantkit.pipeline._budget.plan_memory`, the
+    same plan as the CLI's), or ``sequential=True``, the model is calibrated one repeated
     unit (transformer layer) at a time with its weights read from the safetensors checkpoint,
     and only that block's float weights are ever in memory. Otherwise it is loaded and
     quantized with :func:`quantkit.quantize`. Both give the same model.
@@ -175,12 +171,26 @@ def quantize_pretrained(model_dir: str | os.PathLike, calib_data: Iterable, quan
     if dynamic_shapes is None:
         dynamic_shapes = _default_dynamic_shapes(batches)
     if sequential is None:
-        sequential = resume or not fits_in_memory(index_checkpoint(model_dir).total_bytes(), budget)
+        index_checkpoint(model_dir)  # safetensors weights, or one line saying the block-by-block path needs them
+        seq_len, batch_size = _batch_dims(batches[0])
+        sequential = resume or plan_memory(model_dir, budget, seq_len=seq_len, batch_size=batch_size,
+                                           samples=batch_size * len(batches)).sequential
+    if sequential and budget is not None:
+        bound_heap()  # freed block weights go back to the system, not to a heap that stays resident
     if not sequential:
         return _in_memory(model_dir, batches, quantizer, out, overwrite, task, progress, recipe, dynamic_shapes,
                           source)
     return _Run(model_dir, batches, quantizer, budget, out, resume, overwrite, task, progress, recipe,
                 dynamic_shapes, source).run()
+
+
+def _batch_dims(batch) -> tuple[int, int]:
+    """(tokens per sequence, sequences) of a calibration batch: its first tensor's first two sizes."""
+    first = next(iter(batch.values()), None) if isinstance(batch, Mapping) else \
+        (batch[0] if isinstance(batch, (tuple, list)) and batch else batch)
+    if not isinstance(first, torch.Tensor) or first.dim() == 0:
+        return 1, 1
+    return (int(first.shape[1]) if first.dim() > 1 else 1), int(first.shape[0])
 
 
 def _default_dynamic_shapes(batches: list):
