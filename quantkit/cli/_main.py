@@ -142,8 +142,9 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
                      help="memory budget, e.g. 4GiB: a checkpoint the in-memory path would not fit is quantized "
                           "block by block (one layer's weights at a time, streamed from safetensors)")
     mem.add_argument("--sequential", action="store_true", help="quantize block by block whatever the model's size")
-    mem.add_argument("--resume", action="store_true",
-                     help="continue an interrupted block-by-block run from its last completed block")
+    mem.add_argument("--resume", action=argparse.BooleanOptionalAction, default=False,
+                     help="continue an interrupted block-by-block run from its last completed block "
+                          "(--no-resume: start over, discarding quantkit's own progress directory)")
     q.add_argument("--force", action="store_true", help="replace DIR if it holds a quantkit artifact")
     q.add_argument("--quiet", action="store_true", help="no progress bars or summary")
 

@@ -33,7 +33,7 @@ _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", tor
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
            torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
            torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64"}
-RESTART = "run again without --resume to start over"
+RESTART = "run again with --no-resume (or without --resume) to start over"
 
 
 def fingerprint_tensors(digest, value) -> None:

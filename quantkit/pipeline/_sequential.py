@@ -424,7 +424,7 @@ class _Run:
                 raise
             except Exception as exc:  # foreign contents under a recorded digest: a one-line error, never a traceback
                 raise QuantkitError(f"the partial run in {str(partial.path)!r} is damaged ({type(exc).__name__}); "
-                                    "run again without --resume to start over") from None
+                                    "run again with --no-resume (or without --resume) to start over") from None
         kill_after = os.environ.get(KILL_AFTER_ENV)
         for block in self.blocks[done + 1:]:
             self._load_weights(block)
