@@ -108,7 +108,7 @@ def _run(inputs, tmp_path: Path, *, weights="w0.safetensors", calib="same", obse
             "--weights", pick(weights, lambda w: str(root / w)), "--calib", pick(calib, lambda c: str(sets[c])),
             "--batch-size", "4", "--observer", observer, "--out", str(out), "--quiet"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", QUANTKIT_DIST_TIMEOUT=str(TIMEOUT_S),
-               QK_FAULT=fault, PYTHONPATH=str(ROOT))
+               QK_FAULT=fault)  # no PYTHONPATH: the installed quantkit (a wheel in CI), never the source folders
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-port", str(_port()), "--log-dir", str(logs), "--redirects", "3",
