@@ -246,7 +246,9 @@ def test_int8_kv_cache_for_compressed_tensors_is_refused_up_front(bert_dir, sent
 
 @pytest.mark.parametrize("factory", ["zero_in", "zero_out"])
 @pytest.mark.parametrize("scheme", [[], ["--scheme", "w8a8-dynamic"], ["--scheme", "fp8"],
-                                    ["--scheme", "w4a16", "--group-size", "16"]])
+                                    ["--scheme", "w4a16", "--group-size", "16"],
+                                    # the default search may reach SmoothQuant (which recipe depends on timing)
+                                    ["--recipe", "per-token-smoothquant"]])
 def test_zero_width_layer_stays_float(tmp_path, capsys, factory, scheme):
     """A Linear with no weights has nothing to observe: it stays float and the rest is quantized
     (never "has seen no data"); the artifact computes the float model's output."""

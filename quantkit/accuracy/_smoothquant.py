@@ -119,6 +119,8 @@ class _ChannelStats(torch.nn.Module):
         self.gen = torch.Generator().manual_seed(0)
 
     def forward(self, x):
+        if x.numel() == 0:  # a zero-width layer's input: no channel to measure (the group is skipped)
+            return x
         flat = real_tokens(x.detach())  # padding tokens left out (calibration's token_mask)
         flat = flat.reshape(-1, flat.shape[-1]).float()
         if flat.numel():
@@ -326,6 +328,8 @@ def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | st
         if st.min is None:
             continue  # never reached by calibration
         weights = [_attr(gm, lin.args[1]).detach() for lin in group.linears]
+        if any(w.numel() == 0 for w in weights):
+            continue  # a zero-width layer in the group: nothing to balance (it stays float)
         act_max = torch.maximum(st.min.abs(), st.max.abs()).double()
         w_max = torch.stack([w.abs().amax(0) for w in weights]).amax(0).double()
         chosen = alpha
