@@ -399,7 +399,7 @@ def test_a_changed_input_is_named_on_resume(inputs, killed, tmp_path, capsys, pa
         extra = ["--observer", "mse"]
     line = _refused(_args(model, calib, out, "--resume", *extra), capsys, code=1, inputs=[model, calib, partial],
                     work=killed[0], kept=partial)
-    assert message in line and "run again without --resume" in line, line
+    assert message in line and "run again with --no-resume" in line, line
 
 
 def test_progress_dir_is_ours_and_gone_after_a_run(inputs, killed, reference):
