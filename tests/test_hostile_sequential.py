@@ -122,6 +122,14 @@ def _fresh_partial(killed) -> tuple[Path, Path]:
     return out, partial
 
 
+def _lock_holder(path: Path) -> subprocess.Popen:
+    """Another process holding ``path``'s flock (it prints "locked" once it does, then sleeps)."""
+    return subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                             "fd = os.open(sys.argv[1], os.O_RDONLY)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+                             "print('locked', flush=True)\ntime.sleep(300)", str(path)],
+                            stdout=subprocess.PIPE, text=True)
+
+
 def _same_artifact(a: Path, b: Path) -> None:
     """Same tensors, same qparam records (model.pt2's bytes also hold per-process stack traces)."""
     sa, sb = quantkit.load(a).state_dict(), quantkit.load(b).state_dict()
@@ -255,10 +263,7 @@ def test_a_second_run_on_the_same_output_is_refused(inputs, killed, capsys, resu
     discards it nor resumes from under it."""
     model, calib = inputs
     out, partial = _fresh_partial(killed)
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
-                               "fd = os.open(sys.argv[1], os.O_RDONLY)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
-                               "print('locked', flush=True)\ntime.sleep(300)", str(partial)],
-                              stdout=subprocess.PIPE, text=True)
+    holder = _lock_holder(partial)
     try:
         assert holder.stdout.readline().strip() == "locked"
         line = _refused(_args(model, calib, out, *(["--resume"] if resume else [])), capsys, code=1,
@@ -478,10 +483,7 @@ def test_leftover_on_a_recycled_pid_is_removed_but_a_live_writer_is_kept(tmp_pat
     (recycled / "model.pt2").write_bytes(b"half")
     holder = tmp_path / f".out.quantkit-tmp-{os.getppid()}-lk0badc0de"
     holder.mkdir()
-    child = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
-                              "fd = os.open(sys.argv[1], os.O_RDONLY)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
-                              "print('locked', flush=True)\ntime.sleep(300)", str(holder)],
-                             stdout=subprocess.PIPE, text=True)
+    child = _lock_holder(holder)
     try:
         assert child.stdout.readline().strip() == "locked"
         assert _atomic._pid_alive(os.getpid())  # positive control: the pid alone says "alive"
