@@ -254,7 +254,7 @@ _DECODE_ARGS = ["const uint32_t*", "const float*", "uint16_t*", "int64_t", "int6
 
 def _cpu_gate() -> str | None:
     """None where this CPU can run the kernel, else why not."""
-    from quantkit.lowering._cpu_isa import cpu_has
+    from ._cpu_isa import cpu_has
 
     if not cpu_has("avx512_vnni"):
         return "this CPU has no AVX512-VNNI (or ONEDNN_MAX_CPU_ISA caps it below)"

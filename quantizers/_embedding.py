@@ -8,7 +8,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, QuantizationSpec, Quantizer
 
-from quantkit.pipeline._scopes import module_scopes
+from quantkit._graph import module_scopes
 from quantkit._qmath import is_per_channel
 from quantkit.observers import declared_qscheme
 from quantkit.observers import get as get_observer

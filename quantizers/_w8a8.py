@@ -13,7 +13,7 @@ from torchao.quantization.pt2e.quantizer import (
     SharedQuantizationSpec,
 )
 
-from quantkit.pipeline._scopes import scoped_config, type_name
+from quantkit._graph import scoped_config, type_name
 from quantkit._qmath import is_per_channel
 from quantkit.observers import declared_qscheme
 from quantkit.observers import get as get_observer

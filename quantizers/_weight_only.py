@@ -11,7 +11,7 @@ from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, Quantiza
 
 from quantkit._errors import QuantkitError
 from quantkit.observers import GroupwiseWeightObserver
-from quantkit.pipeline._scopes import scoped_config, type_name
+from quantkit._graph import scoped_config, type_name
 
 from ._w8a8 import _has_elements
 

@@ -29,7 +29,7 @@ from torch.fx import GraphModule, Node
 
 from .._errors import CalibrationError
 from ..pipeline._calibrate import run_batches
-from ..pipeline._scopes import module_scopes
+from .._graph import module_scopes
 from ._dist_rounding import distributed_rounding, sync_hessians, synced_pass
 from ._gptq import GPTQConfig, gptq_quantize
 from ._wscheme import WeightScheme

@@ -14,7 +14,7 @@ from .. import _hf
 from .._errors import QuantkitError
 from .._text import printable
 from ..pipeline._inputs import call_model
-from ..pipeline._scopes import module_scopes
+from .._graph import module_scopes
 
 __all__ = ["output_kind", "compare_models", "time_interleaved", "json_safe", "layer_sqnr", "render_report",
            "render_table", "describe_recipe", "sqnr_db", "METRIC_NAMES"]

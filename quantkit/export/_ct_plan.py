@@ -20,7 +20,7 @@ from torch.fx import GraphModule, Node
 
 from ..pipeline._convert import DEQUANTIZE_OPS, QUANTIZE_OPS
 from ..pipeline._convert_fp8 import FLOAT8_DEQUANTIZE_OPS, FLOAT8_QUANTIZE_OPS
-from ..pipeline._scopes import module_scopes
+from .._graph import module_scopes
 from .._qmath import FLOAT8_DTYPES
 from . import _ct_schemes as schemes
 

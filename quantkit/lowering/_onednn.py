@@ -19,7 +19,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .._qmath import default_qrange
-from ._cpu_isa import cpu_has
+from quantkit.kernels._cpu_isa import cpu_has
 
 
 __all__ = ["int8_activations_to_uint8", "clamp_reduced_range_quantizes", "exact_on_this_cpu", "exact_for_graph"]

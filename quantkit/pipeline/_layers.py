@@ -18,7 +18,7 @@ from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, Quantize
 
 from ._convert import DEQUANTIZE_OPS, QUANTIZE_OPS
 from ._inputs import call_model
-from ._scopes import module_scopes
+from .._graph import module_scopes
 from ._sharing import ANNOTATION_KEY
 
 __all__ = ["Layer", "find_layers", "KeepFloat", "gemm_flops", "int8_fraction", "DEQUANTIZE_OPS", "QUANTIZE_OPS"]
