@@ -28,7 +28,10 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-__all__ = ["FLOAT_DTYPES", "bf16_supported", "bf16_attention_faster", "resolve_float_dtype", "float_ops_to_bf16"]
+from ._registry import LoweringContext, register_lowering
+
+__all__ = ["FLOAT_DTYPES", "bf16_supported", "bf16_attention_faster", "resolve_float_dtype", "float_ops_to_bf16",
+           "lower_bf16"]
 
 aten = torch.ops.aten
 _Q = torch.ops.quantized_decomposed
@@ -217,3 +220,12 @@ def float_ops_to_bf16(gm: GraphModule) -> dict[str, int]:
     graph.lint()
     gm.recompile()
     return counts
+
+
+@register_lowering("bf16", order=400, devices=("cpu",))
+def lower_bf16(gm: GraphModule, ctx: LoweringContext) -> dict[str, int]:
+    """The registered int8-mixed-bf16 pass: :func:`float_ops_to_bf16` where ``compile`` resolved the
+    float ops to bf16, on CPU, and not around FP8 ``_scaled_mm`` (its scales and bias stay float32)."""
+    if ctx.float_dtype != torch.bfloat16 or ctx.counts.get("fp8_linear"):
+        return {}
+    return float_ops_to_bf16(gm)

@@ -8,11 +8,14 @@ import warnings
 import torch
 from torch.fx import GraphModule
 
-from ._bf16 import float_ops_to_bf16, resolve_float_dtype
-from ._fp8 import FP8_KERNELS, has_fp8_qdq, lower_fp8
-from ._lower import Target, lower
+from ..pipeline._convert import DEQUANTIZE_OPS
+# quantkit's own passes register themselves on import (int8, weight-only, FP8, bf16: see _registry)
+from ._bf16 import resolve_float_dtype
+from ._fp8 import FP8_KERNELS, has_fp8_qdq
+from ._lower import Target
 from ._onednn import exact_for_graph
-from ._weight_only import KERNELS_META_KEY, has_quant_ops, kernel_choices, lower_weight_only
+from ._registry import LoweringContext, run_lowerings
+from ._weight_only import KERNELS_META_KEY, has_quant_ops, kernel_choices
 
 __all__ = ["compile", "CPU_KERNELS", "LOWERING_META_KEY", "KERNELS_META_KEY", "kernel_choices"]
 
@@ -24,8 +27,6 @@ CPU_KERNELS = ("auto", "onednn", "reference")
 
 def _has_qdq(gm: GraphModule) -> bool:
     """Whether ``gm`` holds quantized_decomposed dequantize ops (a q/dq graph, e.g. torchao's)."""
-    from ..pipeline._convert import DEQUANTIZE_OPS
-
     return any(n.op == "call_function" and n.target in DEQUANTIZE_OPS for n in gm.graph.nodes) or has_fp8_qdq(gm)
 
 
@@ -103,23 +104,16 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", float_dtype: s
     # validates on CUDA too; "auto" is bf16 only where oneDNN int8 runs (not weight-only graphs: no activation q/dq)
     dtype = resolve_float_dtype(float_dtype, onednn=target is Target.ONEDNN and _has_qdq(converted), graph=converted)
     gm = copy.deepcopy(converted)
-    gm.meta[LOWERING_META_KEY] = lower(gm, target) if target is not None else {}
-    if cpu_kernels != "reference" or target is Target.TRITON:  # int4/int8 weight-only linears
-        wo = lower_weight_only(gm, "cuda" if target is Target.TRITON else "cpu")
-        gm.meta[LOWERING_META_KEY].update({k: v for k, v in wo.items() if v})  # counts only what it rewrote
-    if cpu_kernels != "reference" or target is Target.TRITON:  # FP8 linears: torch._scaled_mm (_fp8.py)
-        fp8 = lower_fp8(gm, "cuda", fp8_kernel) if target is Target.TRITON else lower_fp8(gm, "cpu")
-        gm.meta[LOWERING_META_KEY].update({k: v for k, v in fp8.items() if v})  # counts only what it rewrote
-    # int8-mixed-bf16: counts of casts (not around FP8 _scaled_mm: its scales and bias stay float32)
-    if dtype == torch.bfloat16 and target is not Target.TRITON and not gm.meta[LOWERING_META_KEY].get("fp8_linear"):
-        gm.meta[LOWERING_META_KEY].update(float_ops_to_bf16(gm))
+    ctx = LoweringContext("cuda" if target is Target.TRITON else "cpu", target, cpu_kernels, dtype, fp8_kernel)
+    gm.meta[LOWERING_META_KEY] = counts = run_lowerings(gm, ctx)  # every registered pass that applies, in order
     for p in gm.parameters():
         p.requires_grad_(False)  # inference graph: lets Inductor freeze (fold) the weights
     compiled = torch.compile(gm, **torch_compile_kwargs)
     # a graph whose quantized layers are all weight-only kernels now (weights prepacked above, float
     # ops float32) leaves nothing to Inductor's freezing: no _Frozen, whose per-call config patch
     # and input copies cost ~0.1 ms (measured, 4096x4096 int4 linear at M = 1; BENCHMARKS.md, issue 14)
-    if target is Target.ONEDNN and not (any(wo.values()) and not gm.meta[LOWERING_META_KEY].get("to_bf16")
+    weight_only = counts.get("weight_only_int4") or counts.get("weight_only_int8")
+    if target is Target.ONEDNN and not (weight_only and not counts.get("to_bf16")
                                         and not _has_qdq(gm) and not has_quant_ops(gm)):
         return _Frozen(compiled)
     return compiled

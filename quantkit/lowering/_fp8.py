@@ -23,8 +23,9 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..pipeline._convert_fp8 import FLOAT8_DEQUANTIZE_OPS, FLOAT8_QUANTIZE_OPS
+from ._registry import LoweringContext, register_lowering
 
-__all__ = ["lower_fp8", "has_fp8_qdq", "FP8_KERNELS"]
+__all__ = ["lower_fp8", "lower_fp8_pass", "has_fp8_qdq", "FP8_KERNELS"]
 
 aten = torch.ops.aten
 _LINEAR = {aten.linear.default}
@@ -145,6 +146,19 @@ def lower_fp8(gm: GraphModule, device: str = "cpu", kernel: str = "scaled_mm") -
     graph.lint()
     gm.recompile()
     return {"fp8_linear": count}
+
+
+@register_lowering("fp8", order=300)
+def lower_fp8_pass(gm: GraphModule, ctx: LoweringContext) -> dict[str, int]:
+    """The registered FP8 pass: on CUDA with ``ctx.fp8_kernel``, on CPU (``_scaled_mm``) unless
+    ``cpu_kernels="reference"``; records only the counts it rewrote."""
+    if ctx.device == "cuda":
+        counts = lower_fp8(gm, "cuda", ctx.fp8_kernel)
+    elif ctx.cpu_kernels != "reference":
+        counts = lower_fp8(gm, "cpu")
+    else:
+        return {}
+    return {k: v for k, v in counts.items() if v}
 
 
 def _emit_triton(graph, node: Node, x_q: Node, x_scale: Node, w: Node, w_scale: Node, bias) -> None:

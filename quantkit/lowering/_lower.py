@@ -19,8 +19,9 @@ from torch.fx import GraphModule
 
 from . import _cpu_fuse, _onednn, _triton
 from ._match import match_linear, match_matmul
+from ._registry import LoweringContext, register_lowering
 
-__all__ = ["Target", "lower"]
+__all__ = ["Target", "lower", "lower_int8"]
 
 
 class Target(str, Enum):
@@ -86,3 +87,10 @@ def lower(gm: GraphModule, target: Target | str) -> dict[str, int]:
     gm.graph.lint()
     gm.recompile()
     return counts
+
+
+@register_lowering("int8", order=100)
+def lower_int8(gm: GraphModule, ctx: LoweringContext) -> dict[str, int]:
+    """The registered int8 pass: :func:`lower` for ``ctx.target``, all its counts (zeros too);
+    nothing where ``compile`` chose no target (the reference q/dq graph)."""
+    return lower(gm, ctx.target) if ctx.target is not None else {}

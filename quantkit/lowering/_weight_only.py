@@ -37,9 +37,10 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ._match import attr as _attr
+from ._registry import LoweringContext, register_lowering
 from ._triton import _buffer as _new_attr  # a uniquely named buffer and its get_attr before a node
 
-__all__ = ["lower_weight_only", "WeightOnlyMatch", "match_weight_only", "has_quant_ops", "INT4_KERNELS",
+__all__ = ["lower_weight_only", "lower_weight_only_pass", "WeightOnlyMatch", "match_weight_only", "has_quant_ops", "INT4_KERNELS",
            "KERNELS_META_KEY", "kernel_choices"]
 
 aten = torch.ops.aten
@@ -236,6 +237,15 @@ def lower_weight_only(gm: GraphModule, device_type: str = "cpu", int4_kernel: st
                                      for (kernel, reason), layers in chosen.items()]
         _warn_on_fault(chosen)
     return counts
+
+
+@register_lowering("weight_only", order=200)
+def lower_weight_only_pass(gm: GraphModule, ctx: LoweringContext) -> dict[str, int]:
+    """The registered weight-only pass: int4/int8 weight-only linears on CUDA, and on CPU unless
+    ``cpu_kernels="reference"``; records only the counts it rewrote."""
+    if ctx.device != "cuda" and ctx.cpu_kernels == "reference":
+        return {}
+    return {k: v for k, v in lower_weight_only(gm, ctx.device).items() if v}
 
 
 def _warn_on_fault(chosen: dict) -> None:
