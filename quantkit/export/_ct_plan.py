@@ -20,7 +20,7 @@ from torch.fx import GraphModule, Node
 
 from ..pipeline._convert import DEQUANTIZE_OPS, QUANTIZE_OPS
 from ..pipeline._convert_fp8 import FLOAT8_DEQUANTIZE_OPS, FLOAT8_QUANTIZE_OPS
-from .._graph import module_scopes
+from .._graph import get_attr, module_scopes
 from .._qmath import FLOAT8_DTYPES
 from . import _ct_schemes as schemes
 
@@ -207,13 +207,6 @@ class Plan:
     kv: dict[str, schemes.KVCache] = field(default_factory=dict)
 
 
-def _attr(gm: torch.nn.Module, target: str):
-    obj = gm
-    for atom in target.split("."):
-        obj = getattr(obj, atom)
-    return obj
-
-
 def _module(node: Node) -> str:
     scopes = module_scopes(node)
     return scopes[-1][0] if scopes else ""
@@ -286,12 +279,12 @@ class _Reader:
                                          f"quantization by {name.split('.')[-2] if '.' in name else name}")
 
     def _weight(self, dq: Node) -> WeightQuant:
-        q = _attr(self.gm, str(dq.args[0].target))
+        q = get_attr(self.gm, dq.args[0].target)
         if dq.target == _QD.dequantize_per_channel.default:
-            scale, zp = (_attr(self.gm, str(a.target)) if isinstance(a, Node) else a for a in dq.args[1:3])
+            scale, zp = (get_attr(self.gm, a.target) if isinstance(a, Node) else a for a in dq.args[1:3])
             axis, qmin, qmax = dq.args[3], dq.args[4], dq.args[5]
             return WeightQuant(q, torch.as_tensor(scale), torch.as_tensor(zp), int(axis), int(qmin), int(qmax))
-        scale, zp, qmin, qmax = (_attr(self.gm, str(a.target)) if isinstance(a, Node) else a for a in dq.args[1:5])
+        scale, zp, qmin, qmax = (get_attr(self.gm, a.target) if isinstance(a, Node) else a for a in dq.args[1:5])
         return WeightQuant(q, torch.as_tensor(scale, dtype=torch.float32).reshape(1),
                            torch.as_tensor(zp).reshape(1), None, int(qmin), int(qmax))
 
@@ -479,9 +472,9 @@ class _Reader:
         if not (isinstance(codes, Node) and codes.target == torch.ops.quantkit.unpack_int4.default
                 and all(isinstance(a, Node) and a.op == "get_attr" for a in (codes.args[0], table, scale))):
             return None
-        q = torch.ops.quantkit.unpack_int4.default(_attr(self.gm, str(codes.args[0].target)), bool(codes.args[1]))
-        return torch.ops.quantkit.dequantize_nf4.default(q, _attr(self.gm, str(table.target)),
-                                                         _attr(self.gm, str(scale.target)), dq.args[3], torch.float32)
+        q = torch.ops.quantkit.unpack_int4.default(get_attr(self.gm, codes.args[0].target), bool(codes.args[1]))
+        return torch.ops.quantkit.dequantize_nf4.default(q, get_attr(self.gm, table.target),
+                                                         get_attr(self.gm, scale.target), dq.args[3], torch.float32)
 
 
 def recorded_modules(gm: GraphModule, hf_modules: dict[str, torch.nn.Module]) -> dict[str, str]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule, Node
 
+from .._graph import get_attr
 from .._qmath import FLOAT8_DTYPES, dequantize_float8, float8_max, quantize_float8
 
 __all__ = ["quant_args", "Float8Weight", "GroupWeight", "Float8Act", "KVCache", "read_float8_weight",
@@ -53,15 +54,8 @@ def quant_args(*, num_bits: int, type: str, symmetric: bool, strategy: str, dyna
             "group_size": group_size, "block_structure": None, "actorder": None, "observer": None}
 
 
-def _attr(gm: torch.nn.Module, target: str):
-    obj = gm
-    for atom in target.split("."):
-        obj = getattr(obj, atom)
-    return obj
-
-
 def _const(gm: torch.nn.Module, arg):
-    return _attr(gm, str(arg.target)) if isinstance(arg, Node) and arg.op == "get_attr" else None
+    return get_attr(gm, arg.target) if isinstance(arg, Node) and arg.op == "get_attr" else None
 
 
 def _arg(node: Node, index: int, name: str, default=None):

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .._errors import QuantkitError
+from .._graph import set_attr
 from ..pipeline._capture import CAPTURE_META_KEY
 from ..pipeline._meta_capture import fake_inputs as _fakify
 from . import _artifact, _safe_pt2
@@ -150,12 +151,6 @@ def write_streamed_artifact(converted: torch.fx.GraphModule, streamed: dict[str,
 
 def load_streamed(converted: torch.fx.GraphModule, streamed: dict[str, tuple[Path, str]]) -> torch.fx.GraphModule:
     """Replace ``converted``'s fake weights with their stored values (in place); returns it."""
-    for target, source in streamed.items():
-        *path, attr = target.split(".")
-        owner = converted.get_submodule(".".join(path)) if path else converted
-        value = _read(source)
-        if attr in owner._parameters:
-            owner._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
-        else:
-            owner._buffers[attr] = value
+    for target, source in streamed.items():  # each a parameter or a buffer: it stays one
+        set_attr(converted, target, _read(source), detach=False)
     return converted

@@ -28,6 +28,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
+from .._graph import get_attr
 from ._registry import LoweringContext, register_lowering
 
 __all__ = ["FLOAT_DTYPES", "bf16_supported", "bf16_attention_faster", "resolve_float_dtype", "float_ops_to_bf16",
@@ -131,9 +132,10 @@ def _orig_dtype(gm: GraphModule, node) -> torch.dtype | None:
     if not isinstance(node, Node):
         return None
     if node.op == "get_attr":
-        obj = gm
-        for atom in node.target.split("."):
-            obj = getattr(obj, atom, None)
+        try:
+            obj = get_attr(gm, node.target)
+        except AttributeError:  # not there (any more): not a tensor this pass casts
+            return None
         return obj.dtype if isinstance(obj, torch.Tensor) else None
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):

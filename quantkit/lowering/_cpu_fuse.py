@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from ._match import attr
+from .._graph import get_attr, unique_attr_name
+from ._match import drop_unread_attrs
 
 __all__ = ["collapse_requantize_chains", "fuse_sibling_linears"]
 
@@ -105,14 +106,8 @@ def _linear_parts(gm: GraphModule, lin: Node):
         return None
     if bias is not None and not (isinstance(bias, Node) and bias.op == "get_attr"):
         return None
-    return x, attr(gm, w.target), attr(gm, s.target), attr(gm, z.target), (None if bias is None else attr(gm, bias.target)), tuple(wdq.args[4:])
-
-
-def _unique_name(gm: GraphModule, base: str) -> str:
-    i = 0
-    while hasattr(gm, f"{base}_{i}"):
-        i += 1
-    return f"{base}_{i}"
+    return (x, get_attr(gm, w.target), get_attr(gm, s.target), get_attr(gm, z.target),
+            None if bias is None else get_attr(gm, bias.target), tuple(wdq.args[4:]))
 
 
 def fuse_sibling_linears(gm: GraphModule) -> int:
@@ -149,7 +144,7 @@ def fuse_sibling_linears(gm: GraphModule) -> int:
         names = {}
         for label, t in (("weight", w), ("scale", s), ("zero_point", z), ("bias", b)):
             if t is not None:
-                names[label] = _unique_name(gm, f"_qk_fused_{label}")
+                names[label] = unique_attr_name(gm, f"_qk_fused_{label}", sep="_")
                 gm.register_buffer(names[label], t.contiguous())
         with graph.inserting_before(first):
             get = {k: graph.get_attr(v) for k, v in names.items()}
@@ -178,10 +173,7 @@ def fuse_sibling_linears(gm: GraphModule) -> int:
         removed += len(members) - 1
     if removed:
         graph.eliminate_dead_code()
-        still_read = {n.target for n in graph.nodes if n.op == "get_attr"}
-        for target in old_attrs - still_read:  # one int8 copy of each weight
-            module, _, name = target.rpartition(".")
-            delattr(gm.get_submodule(module) if module else gm, name)
+        drop_unread_attrs(gm, old_attrs)  # one int8 copy of each weight
         graph.lint()
         gm.recompile()
     return removed

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
+from .._graph import get_attr
 from ..pipeline._convert_fp8 import FLOAT8_DEQUANTIZE_OPS, FLOAT8_QUANTIZE_OPS
 from ._registry import LoweringContext, register_lowering
 
@@ -35,13 +36,6 @@ FP8_KERNELS = ("scaled_mm", "triton")  # what lower_fp8 runs an FP8 linear as
 def has_fp8_qdq(gm: GraphModule) -> bool:
     """Whether ``gm`` holds float8 dequantize ops (an FP8 ``quantkit.convert`` result)."""
     return any(n.op == "call_function" and n.target in FLOAT8_DEQUANTIZE_OPS for n in gm.graph.nodes)
-
-
-def _attr(gm: torch.nn.Module, target: str):
-    obj = gm
-    for atom in target.split("."):
-        obj = getattr(obj, atom)
-    return obj
 
 
 def _val(node):
@@ -64,7 +58,7 @@ def _match(gm: GraphModule, node: Node):
         return None
     if not (isinstance(w, Node) and w.op == "get_attr" and isinstance(w_scale, Node) and w_scale.op == "get_attr"):
         return None
-    weight, wscale = _attr(gm, str(w.target)), _attr(gm, str(w_scale.target))
+    weight, wscale = get_attr(gm, w.target), get_attr(gm, w_scale.target)
     if weight.dim() != 2 or wscale.numel() not in (1, weight.shape[0]):
         return None
     out_dtype = x_dq.args[2] if len(x_dq.args) > 2 else x_dq.kwargs.get("output_dtype", torch.float32)
@@ -98,7 +92,7 @@ def lower_fp8(gm: GraphModule, device: str = "cpu", kernel: str = "scaled_mm") -
         # a static activation scale is a [1] buffer; a dynamic one comes from the graph: amax
         # (per tensor, 0-d) or choose_scale_float8 (per token)
         if x_scale.op == "get_attr":
-            per_token = _attr(gm, str(x_scale.target)).numel() != 1
+            per_token = get_attr(gm, x_scale.target).numel() != 1
         else:
             per_token = x_scale.target not in (aten.div.Tensor,)
         per_channel = wscale.numel() != 1

@@ -18,7 +18,7 @@ import torch
 from torch.fx import GraphModule
 
 from . import _cpu_fuse, _onednn, _triton
-from ._match import match_linear, match_matmul
+from ._match import drop_unread_attrs, match_linear, match_matmul
 from ._registry import LoweringContext, register_lowering
 
 __all__ = ["Target", "lower", "lower_int8"]
@@ -80,10 +80,7 @@ def lower(gm: GraphModule, target: Target | str) -> dict[str, int]:
     # after DCE: a per-token quantize whose dequantizes were all rewritten feeds only kernels
     counts["quantize_per_token"] = _triton.fuse_per_token_quantize(gm)
     gm.graph.eliminate_dead_code()
-    still_read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
-    for target in transposed - still_read:  # drop the [K, N] originals: one int8 copy per weight
-        module, _, name = target.rpartition(".")
-        delattr(gm.get_submodule(module) if module else gm, name)
+    drop_unread_attrs(gm, transposed)  # drop the [K, N] originals: one int8 copy per weight
     gm.graph.lint()
     gm.recompile()
     return counts

@@ -14,21 +14,25 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from .._graph import get_attr
 from .._qmath import default_qrange
 
-__all__ = ["ActQ", "LinearMatch", "MatmulMatch", "match_linear", "match_matmul", "attr"]
+__all__ = ["ActQ", "LinearMatch", "MatmulMatch", "match_linear", "match_matmul", "attr", "drop_unread_attrs"]
 
 aten = torch.ops.aten
 _Q = torch.ops.quantized_decomposed
 _DQ_ACT = (_Q.dequantize_per_tensor.default, _Q.dequantize_per_tensor.tensor)
 _ACTIVATIONS = {aten.relu.default: "relu", aten.gelu.default: "gelu"}
+attr = get_attr  # the old name (tests read weights with it)
 
 
-def attr(gm: torch.nn.Module, target: str):
-    obj = gm
-    for atom in target.split("."):
-        obj = getattr(obj, atom)
-    return obj
+def drop_unread_attrs(gm: GraphModule, targets) -> None:
+    """Delete each dotted attribute of ``targets`` that no ``get_attr`` node of ``gm`` reads any more
+    (the originals a rewrite replaced: one copy of each weight stays)."""
+    still_read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for target in set(targets) - still_read:
+        module, _, name = target.rpartition(".")
+        delattr(gm.get_submodule(module) if module else gm, name)
 
 
 @dataclass
@@ -129,7 +133,7 @@ def _weight(gm: GraphModule, node, axis_out: int = 0) -> Optional[tuple[Node, ob
         w, scale, zp, axis, _, _, dtype = node.args[:7]
         if axis != axis_out or not all(isinstance(n, Node) and n.op == "get_attr" for n in (w, scale, zp)):
             return None
-        if bool(attr(gm, zp.target).any()):
+        if bool(get_attr(gm, zp.target).any()):
             return None
     elif node.target is _Q.dequantize_per_tensor.default:
         w, scale, zp, _, _, dtype = node.args[:6]
@@ -137,7 +141,7 @@ def _weight(gm: GraphModule, node, axis_out: int = 0) -> Optional[tuple[Node, ob
             return None
     else:
         return None
-    if dtype != torch.int8 or attr(gm, w.target).dim() != 2 or node.kwargs.get("out_dtype", torch.float32) != torch.float32:
+    if dtype != torch.int8 or get_attr(gm, w.target).dim() != 2 or node.kwargs.get("out_dtype", torch.float32) != torch.float32:
         return None
     return w, scale
 
@@ -161,7 +165,7 @@ def match_linear(gm: GraphModule, node: Node, fuse_requant: bool = True) -> Opti
             return None
         bias, x, w = node.args[:3]
         kn = True
-        if not (isinstance(bias, Node) and bias.op == "get_attr" and attr(gm, bias.target).dim() == 1):
+        if not (isinstance(bias, Node) and bias.op == "get_attr" and get_attr(gm, bias.target).dim() == 1):
             return None
     elif node.target in (aten.mm.default, aten.matmul.default) and len(node.args) == 2:
         x, w = node.args  # x @ W with W a [K, N] parameter (an activation @ activation is match_matmul's)

@@ -11,18 +11,18 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from ._match import ActQ, LinearMatch, MatmulMatch, _getitem_source, attr
+from .._graph import get_attr, unique_attr_name
+from ._match import ActQ, LinearMatch, MatmulMatch, _getitem_source
 
 __all__ = ["emit_linear", "emit_matmul", "fuse_per_token_quantize"]
 
 
 def _buffer(gm: GraphModule, base: str, value: torch.Tensor, before: Node) -> Node:
-    i = 0
-    while hasattr(gm, f"{base}{i}"):
-        i += 1
-    gm.register_buffer(f"{base}{i}", value)
+    """Register ``value`` as the buffer ``{base}{i}`` (first free ``i``); its get_attr node before ``before``."""
+    name = unique_attr_name(gm, base)
+    gm.register_buffer(name, value)
     with gm.graph.inserting_before(before):
-        return gm.graph.get_attr(f"{base}{i}")
+        return gm.graph.get_attr(name)
 
 
 def _qparams(gm: GraphModule, act: ActQ, before: Node, device) -> tuple[Node, Node | None]:
@@ -42,7 +42,7 @@ def _register_ops() -> None:
 
 def emit_linear(gm: GraphModule, m: LinearMatch) -> Node:
     _register_ops()
-    weight = attr(gm, m.weight.target)
+    weight = get_attr(gm, m.weight.target)
     device = weight.device
     scale, zp = _qparams(gm, m.act, m.linear, device)
     w_node = m.weight

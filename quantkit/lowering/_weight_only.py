@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from ._match import attr as _attr
+from .._graph import get_attr
 from ._registry import LoweringContext, register_lowering
 from ._triton import _buffer as _new_attr  # a uniquely named buffer and its get_attr before a node
 
@@ -81,10 +81,10 @@ def match_weight_only(gm: GraphModule, node: Node) -> Optional[WeightOnlyMatch]:
         return None
     packed, signed = None, None
     if isinstance(src, Node) and src.target == torch.ops.quantkit.unpack_int4.default and src.args[0].op == "get_attr":
-        packed, signed = _attr(gm, src.args[0].target), bool(src.args[1])
+        packed, signed = get_attr(gm, src.args[0].target), bool(src.args[1])
         q = torch.ops.quantkit.unpack_int4(packed, signed)
     elif isinstance(src, Node) and src.op == "get_attr":
-        q = _attr(gm, src.target)
+        q = get_attr(gm, src.target)
         signed = q.dtype == torch.int8
     else:
         return None
@@ -92,8 +92,8 @@ def match_weight_only(gm: GraphModule, node: Node) -> Optional[WeightOnlyMatch]:
     if not (isinstance(x, Node) and isinstance(x.meta.get("val"), torch.Tensor)):
         return None
     bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    return WeightOnlyMatch(node, x, bias, q, packed, signed, _attr(gm, scale.target).float(),
-                           _attr(gm, zp.target), int(qmin), int(qmax), int(group))
+    return WeightOnlyMatch(node, x, bias, q, packed, signed, get_attr(gm, scale.target).float(),
+                           get_attr(gm, zp.target), int(qmin), int(qmax), int(group))
 
 
 def _leading_sizes(graph, x: Node) -> list:
