@@ -36,6 +36,12 @@ def _rel(page: Path) -> str:
     return str(page.relative_to(REPO))
 
 
+def links(text: str) -> list[str]:
+    """The targets of the Markdown links of a text, outside code blocks and code spans."""
+    prose = re.sub(r"^\s*(```+).*?^\s*\1\s*$", "", text, flags=re.M | re.S)
+    return _LINK.findall(re.sub(r"`[^`\n]*`", "", prose))
+
+
 def fenced_blocks(text: str) -> list[tuple[str, int, str]]:
     """Every fenced block of a Markdown text as ``(language, first line number, code)``.
 
@@ -100,14 +106,23 @@ def test_skipped_blocks_say_why(page):
 
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
 def test_links_resolve(page):
-    """Every relative link of a page points at a file or folder of the repository."""
+    """Every relative link of a page points at a file or folder of the repository (and at a heading
+    of it, for a ``page.md#anchor`` link)."""
     broken = []
-    for target in _LINK.findall(page.read_text()):
-        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
-            continue  # a URL or an anchor on the same page
-        if not (page.parent / target.split("#", 1)[0]).exists():
+    for target in links(page.read_text()):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):
+            continue  # a URL
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path) if path else page
+        if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in _anchors(dest)):
             broken.append(target)
-    assert not broken, f"{_rel(page)}: links to missing files {broken}"
+    assert not broken, f"{_rel(page)}: links to missing files or headings {broken}"
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    heads = re.findall(r"^#+\s+(.*?)\s*$", re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
@@ -125,7 +140,7 @@ def test_readme_is_a_front_page():
 
 
 def test_readme_links_every_docs_page():
-    linked = {(REPO / t.split("#", 1)[0]).resolve() for t in _LINK.findall(README.read_text())
+    linked = {(REPO / t.split("#", 1)[0]).resolve() for t in links(README.read_text())
               if t.startswith("docs/")}
     assert linked, "README.md links no docs/ page"
     missing = sorted(str(t.relative_to(REPO)) for t in linked if not t.is_file())
