@@ -35,7 +35,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _observer_help(role: str) -> str:
     try:
-        from ._cli_quantize import observer_roles
+        from ._quantize import observer_roles
 
         return ", ".join(n for n, r in observer_roles().items() if role in r)
     except Exception:  # help must print even if the registry cannot be read
@@ -84,7 +84,7 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
     data.add_argument("--skip-nonfinite", action="store_true",
                       help="leave out samples holding NaN or inf (counted in the report) instead of failing")
     recipe = q.add_argument_group("recipe (the fields of quantkit.quantizers.QuantConfig)")
-    from ._cli_autotune import add_arguments as _autotune_arguments
+    from ._autotune import add_arguments as _autotune_arguments
 
     _autotune_arguments(recipe)  # --recipe auto|NAME, --target, --strict
     recipe.add_argument("--scheme", choices=["w8a8", "w8a8-dynamic", "w8a8-per-token", "w4a16", "w8a16", "nf4",
@@ -252,12 +252,12 @@ def _run(args) -> int:
     if args.command in ("quantize", "eval"):  # the commands that compile
         _private_inductor_cache()
     if args.command == "quantize":
-        from ._cli_quantize import run_quantize
-        from ._distributed import torchrun_group
+        from ._quantize import run_quantize
+        from ._torchrun import torchrun_group
 
         with torchrun_group(args):  # under torchrun: a process group; ranks other than 0 are quiet
             return run_quantize(args, (lambda *a, **k: None) if args.quiet else _say)
-    from ._cli_eval import run_eval, run_inspect
+    from ._eval import run_eval, run_inspect
 
     return (run_inspect if args.command == "inspect" else run_eval)(args, print, _stderr_line)
 
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             if debug:
                 raise
-            from ._cli_inputs import UsageError
+            from ._inputs import UsageError
             from .._errors import QuantkitError
             from ..kernels._kernel_cache import KernelLoadError
 

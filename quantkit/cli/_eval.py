@@ -17,8 +17,8 @@ import torch
 
 from ..export import _artifact
 from ..lowering._weight_only import kernel_choices
-from . import _cli_data as datasets, _cli_inputs as inputs, _cli_report as report
-from ._cli_quantize import REPORT_JSON, TOKENIZER_DIR
+from . import _data as datasets, _inputs as inputs, _report as report
+from ._quantize import REPORT_JSON, TOKENIZER_DIR
 from .._errors import QuantkitError
 from .._text import printable
 

@@ -46,7 +46,7 @@ from quantkit.observers._collective import EXCHANGED, PEER_LOST, clean, key, sto
 from .._errors import DistributedError
 from ..pipeline._distributed import agreement_record, report_failure
 
-from ._cli_inputs import UsageError, is_factory_name
+from ._inputs import UsageError, is_factory_name
 
 __all__ = ["torchrun_group", "calibrate", "is_main", "rank_device", "DEFAULT_TIMEOUT_S"]
 

@@ -1,7 +1,7 @@
 """What the CLI quantizes and where it writes: model specs, example inputs, loading, devices, --out.
 
 Everything here but loading is cheap to check before a model is loaded, so that bad command
-lines fail in well under a second. The data side is ``_cli_data``.
+lines fail in well under a second. The data side is ``_data``.
 """
 
 from __future__ import annotations

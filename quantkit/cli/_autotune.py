@@ -3,7 +3,7 @@
 ``auto`` (the default when no recipe flag is given) runs :func:`quantkit.accuracy._autotune.search`
 over the recipes, scoring each on the command's held-out split with the report's own metric
 (held-out mean cosine; top-1 agreement for classifiers), and returns the winner as an explicit
-:class:`~quantkit.cli._cli_quantize.Recipe` (a float fallback becomes ``--skip`` patterns), which
+:class:`~quantkit.cli._quantize.Recipe` (a float fallback becomes ``--skip`` patterns), which
 ``quantize`` then builds as if its flags had been given: quantization.json records a recipe that
 reproduces the artifact without a search.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["add_arguments", "requested", "choose", "exit_code", "summary_line", "render"]
+__all__ = ["add_arguments", "requested", "choose", "exit_code", "summary_line"]
 
 RECIPE_HELP = ("auto (default when no other recipe flag is given): the fastest recipe that meets --target on the "
                "held-out split, measured; or force one: static, static-smoothquant, histogram, per-token, "
@@ -34,7 +34,7 @@ def add_arguments(group) -> None:
 
 def requested(args) -> list | None:
     """The recipes to try (``[one]`` when forced), or None for a hand-written recipe."""
-    from . import _cli_inputs as inputs
+    from . import _inputs as inputs
 
     name = getattr(args, "recipe", None)
     target = getattr(args, "target", None)
@@ -71,7 +71,7 @@ class _HeldOut:
 
         from quantkit.pipeline._inputs import call_model
 
-        from . import _cli_report as report
+        from . import _report as report
 
         self.data, self.key, self.kind = batches, key, kind
         self.reference = 1.0  # cosine / agreement of the float model with itself
@@ -87,7 +87,7 @@ class _HeldOut:
 
         from quantkit.pipeline._inputs import call_model
 
-        from . import _cli_report as report
+        from . import _report as report
 
         sc = report._Score()
         with torch.no_grad():
@@ -121,7 +121,7 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
     from quantkit.pipeline._inputs import call_model
     from quantkit.pipeline._variants import Variants
 
-    from . import _cli_report as report
+    from . import _report as report
 
     import torch
 
@@ -220,29 +220,3 @@ def exit_code(args, doc: dict | None) -> int:
            f"{doc['chosen']}, anyway")
     print(msg + ("; failing because of --strict" if args.strict else "; pass --strict to make this an error"))
     return 1 if args.strict else 0
-
-
-def render(doc: dict) -> list[str]:
-    """report.md lines for the recipe search."""
-    from ._cli_report import render_table
-
-    if not doc["trials"]:
-        return [f"Recipe {doc['chosen']}: {doc['reason']}.", ""]
-    rows = [{"recipe": t["recipe"], doc["metric"]: "-" if t["score"] is None else t["score"],
-             "compiled ms": "-" if t["latency_ms"] is None else t["latency_ms"], "result": t["status"],
-             "float layers": ", ".join(t["details"].get("float_layers", [])) or "-"} for t in doc["trials"]]
-    lines = ["## Recipe search" if doc["mode"] == "auto" else "## Recipe", "",
-             f"Target: held-out {doc['metric']} >= {doc['target']:g}. Chosen: **{doc['chosen']}** "
-             f"({'met' if doc['met'] else 'NOT met'}): {doc['reason']}.", "",
-             render_table(rows, ["recipe", doc["metric"], "compiled ms", "result", "float layers"]), ""]
-    s = doc.get("speed") or {}
-    if "vs_fp32" in s:
-        lines += [f"Compiled speed of the chosen recipe: {s['int8_ms']:.2f} ms per batch; fp32 {s['fp32_ms']:.2f} ms "
-                  f"(**{s['vs_fp32']:.2f}x**), bf16 {s['bf16_ms']:.2f} ms (**{s['vs_bf16']:.2f}x**). "
-                  f"{doc['latency_note']}.", ""]
-    elif "error" in s:
-        lines += [f"Compiled speed not measured: {s['error']}.", ""]
-    if doc.get("cache_notes"):
-        lines += ["Latency cache entries ignored and measured again:", ""]
-        lines += [f"- {note}" for note in doc["cache_notes"]] + [""]
-    return lines

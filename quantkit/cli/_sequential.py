@@ -17,7 +17,7 @@ from pathlib import Path
 from .. import _hf
 from .._errors import QuantkitError
 from ..pipeline._budget import MemoryPlan, bound_heap, plan_memory
-from . import _cli_data as datasets, _cli_inputs as inputs
+from . import _data as datasets, _inputs as inputs
 
 __all__ = ["wanted", "run_sequential", "memory_plan"]
 
@@ -86,7 +86,6 @@ def _check_flags(args) -> None:
 
 def run_sequential(args, recipe, spec: inputs.ModelSpec, data, out: Path, say) -> int:
     """Quantize block by block and write ``out`` (model.pt2 + quantization.json, atomically)."""
-    from . import _cli_quantize as cq
     from ..pipeline._meta_capture import empty_model
     from ..pipeline._sequential import quantize_pretrained
 
@@ -94,7 +93,7 @@ def run_sequential(args, recipe, spec: inputs.ModelSpec, data, out: Path, say) -
     path = _model_dir(spec)
     samples, origins = datasets.read_samples(data)
     split = datasets.split_samples(len(samples), num_calib=args.num_calib)
-    split, _ = cq._nonfinite_split(samples, origins, split, args.skip_nonfinite, "calibration")
+    split, _ = datasets.nonfinite_split(samples, origins, split, args.skip_nonfinite, "calibration")
     plan = memory_plan(args, spec, samples=len(split.calib))
     if plan is not None:
         plan.check()
@@ -111,7 +110,7 @@ def run_sequential(args, recipe, spec: inputs.ModelSpec, data, out: Path, say) -
     except Exception:
         tokenizer = None
     loaded = inputs.LoadedModel(model, tokenizer, None, 0, None)
-    calib, _ = cq._batches(samples, origins, split.calib, loaded, what="calibration", seq_len=args.seq_len,
+    calib, _ = datasets.device_batches(samples, origins, split.calib, loaded, what="calibration", seq_len=args.seq_len,
                            batch_size=batch_size, device=inputs.check_device("cpu"))
     quantizer = recipe.quantizer([n for n, _ in model.named_modules()])
     del model

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .._quiet import silenced
-from . import _cli_inputs as inputs
+from . import _inputs as inputs
 
 __all__ = ["FORMATS", "SUBDIR", "parse_formats", "check", "write", "summary", "describe", "refuse_sequential"]
 

@@ -16,11 +16,11 @@ from pathlib import Path
 
 
 from ..export import _artifact
-from . import _cli_autotune, _cli_export
-from . import _cli_data as datasets, _cli_inputs as inputs, _cli_report as report, _distributed as torchrun
+from . import _autotune, _export, _sequential
+from . import _data as datasets, _inputs as inputs, _report as report, _torchrun as torchrun
 from .._errors import QuantkitError
-from ._cli_weight_only import WeightOnlyRecipe, check_weight_algorithm
-from ._cli_fp8 import FP8Recipe
+from ._weight_only import WeightOnlyRecipe, check_weight_algorithm
+from ._fp8 import FP8Recipe
 
 __all__ = ["Scheme", "Recipe", "run_quantize", "REPORT_JSON", "REPORT_MD", "TOKENIZER_DIR"]
 
@@ -35,11 +35,11 @@ class Scheme(str, Enum):
     W8A8 = "w8a8"  # static int8 weights (per channel) and uint8 activations (per tensor)
     W8A8_DYNAMIC = "w8a8-dynamic"  # int8 weights, activations quantized per batch at run time
     W8A8_PER_TOKEN = "w8a8-per-token"  # int8 weights, activations quantized per token at run time
-    # weight-only (float activations): quantizers.WeightOnlyQuantizer, see cli/_cli_weight_only.py
+    # weight-only (float activations): quantizers.WeightOnlyQuantizer, see cli/_weight_only.py
     W4A16 = "w4a16"  # int4 weights, asymmetric, groups of 128 input features
     W8A16 = "w8a16"  # int8 weights, symmetric, per output channel
     NF4 = "nf4"  # NF4 codes with per-group absmax scales, groups of 64
-    # FP8 (E4M3 weights and activations): quantizers.FP8Quantizer, see cli/_cli_fp8.py
+    # FP8 (E4M3 weights and activations): quantizers.FP8Quantizer, see cli/_fp8.py
     FP8 = "fp8"  # static E4M3 activations per tensor
     FP8_DYNAMIC = "fp8-dynamic"  # E4M3 activations per token at run time
 
@@ -276,7 +276,7 @@ def _check(args, recipe: Recipe):
             raise inputs.UsageError(f"{flag} must be at least {lo}, got {v}")
     out = Path(args.out)
     inputs.check_not_input(out, spec.input_paths() + [data.file] + ([data.file.parent] if data.kind == "default" else []))
-    out = _cli_export.check(args, spec, out, lambda o: _artifact.check_out_dir(  # --format decides what DIR may be
+    out = _export.check(args, spec, out, lambda o: _artifact.check_out_dir(  # --format decides what DIR may be
         o, overwrite=args.force, flag="--force", exists_error=inputs.UsageError))
     inputs.check_out_location(out)
     spec.check()
@@ -291,39 +291,13 @@ def _check_captured(recipe: Recipe, gm, module_names: list[str]) -> None:
         recipe.fp8.check_kv_cache(gm, recipe.skipped(module_names))
 
 
-def _nonfinite_split(samples, origins, split: datasets.Split, skip: bool, what: str) -> tuple[datasets.Split, list[str]]:
-    """Leave samples holding NaN/inf out of the split (``skip``), or fail naming the first."""
-    bad = datasets.nonfinite(samples)
-    if bad and not skip:
-        raise QuantkitError(f"{what} sample {origins[bad[0]]} holds NaN or inf ({len(bad)} of {len(samples)} "
-                            "samples do); fix the data, or pass --skip-nonfinite to leave such samples out")
-    drop = set(bad)
-    kept = datasets.Split(calib=[i for i in split.calib if i not in drop],
-                        heldout=[i for i in split.heldout if i not in drop])
-    if bad and not kept.calib:
-        raise QuantkitError(f"every calibration sample holds NaN or inf ({len(bad)} of {len(samples)}); "
-                            "nothing is left to calibrate on: fix the data")
-    if bad and not kept.heldout:  # evaluate on what calibrates rather than on nothing
-        kept = datasets.Split(calib=kept.calib, heldout=kept.calib)
-    return kept, [origins[i] for i in bad]
-
-
-def _batches(samples, origins, indices, loaded, *, what, seq_len, batch_size, device):
-    picked = [samples[i] for i in indices]
-    where = [origins[i] for i in indices]
-    batches = datasets.make_batches(picked, loaded, what=what, seq_len=seq_len, batch_size=batch_size, origins=where)
-    return [datasets.to_device(b, device) for b in batches], [where[i:i + batch_size] for i in range(0, len(where), batch_size)]
-
-
 def run_quantize(args, say) -> int:
     recipe = Recipe.from_args(args)
-    autos = _cli_autotune.requested(args)  # None: a hand-written recipe
+    autos = _autotune.requested(args)  # None: a hand-written recipe
     spec, data, out, device = _check(args, recipe)
-    from . import _cli_sequential  # --max-memory the model does not fit, --sequential, --resume
-
-    if _cli_sequential.wanted(args, spec):
-        _cli_export.refuse_sequential(args)
-        return _cli_sequential.run_sequential(args, recipe, spec, data, out, say)
+    if _sequential.wanted(args, spec):  # --max-memory the model does not fit, --sequential, --resume
+        _export.refuse_sequential(args)
+        return _sequential.run_sequential(args, recipe, spec, data, out, say)
     device = torchrun.rank_device(device)
     progress = not args.quiet
     clock = _Clock()
@@ -334,7 +308,7 @@ def run_quantize(args, say) -> int:
         example_ndims = [len(s) for s, _ in inputs.parse_example_input(spec.example_input)]
     samples, origins = datasets.read_samples(data, example_ndims=example_ndims)
     split = datasets.split_samples(len(samples), num_calib=args.num_calib)
-    split, skipped = _nonfinite_split(samples, origins, split, args.skip_nonfinite, "calibration")
+    split, skipped = datasets.nonfinite_split(samples, origins, split, args.skip_nonfinite, "calibration")
     t = clock.start
     loaded = inputs.load_model(spec, progress=progress, allow_mismatch=args.allow_missing_weights)
     if loaded.fit is not None and not loaded.fit.clean:  # printed even with --quiet: the numbers depend on it
@@ -344,8 +318,8 @@ def run_quantize(args, say) -> int:
     module_names = [n for n, _ in loaded.model.named_modules()]
     quantizer = recipe.quantizer(module_names)
     kw = dict(seq_len=args.seq_len, batch_size=args.batch_size, device=device)
-    calib, _ = _batches(samples, origins, split.calib, loaded, what="calibration", **kw)
-    heldout, heldout_origins = _batches(samples, origins, split.heldout, loaded, what="held-out", **kw)
+    calib, _ = datasets.device_batches(samples, origins, split.calib, loaded, what="calibration", **kw)
+    heldout, heldout_origins = datasets.device_batches(samples, origins, split.heldout, loaded, what="held-out", **kw)
     t = clock.lap("load", t)
 
     import quantkit
@@ -362,7 +336,7 @@ def run_quantize(args, say) -> int:
     _check_captured(recipe, gm, module_names)
     tuned = None
     if autos is not None:  # --recipe auto|NAME: choose the recipe, then build it below as if flagged
-        recipe, tuned = _cli_autotune.choose(args, recipe, loaded, gm, calib, heldout, heldout_origins,
+        recipe, tuned = _autotune.choose(args, recipe, loaded, gm, calib, heldout, heldout_origins,
                                              module_names, progress, autos)
         quantizer = recipe.quantizer(module_names)
         _check_captured(recipe, gm, module_names)
@@ -399,15 +373,15 @@ def run_quantize(args, say) -> int:
     layers = report.layer_sqnr(loaded.model, qmodel, heldout[0], records)
     t = clock.lap("evaluate", t)
     ct_export = None
-    if _cli_export.parse_formats(args.format) == (_cli_export.CT,):  # DIR is the HF checkpoint alone
-        ct_export = _cli_export.write(out, qmodel=qmodel, spec=spec, loaded=loaded, batches=heldout,
+    if _export.parse_formats(args.format) == (_export.CT,):  # DIR is the HF checkpoint alone
+        ct_export = _export.write(out, qmodel=qmodel, spec=spec, loaded=loaded, batches=heldout,
                                       skip_unsupported=args.skip_unsupported, atomic=True,
                                       record=report.json_safe({"recipe": recipe.to_json(), "metric": metric}))
         say(f"wrote {out}: {metric['name']} mean {metric['mean_cosine']:.4f} (min {metric['min_cosine']:.4f}) vs float; "
-            f"{_cli_export.describe(ct_export)}")
+            f"{_export.describe(ct_export)}")
         if tuned is not None:
-            say("  " + _cli_autotune.summary_line(tuned))
-        return _cli_autotune.exit_code(args, tuned)
+            say("  " + _autotune.summary_line(tuned))
+        return _autotune.exit_code(args, tuned)
 
     with contextlib.redirect_stderr(io.StringIO()):
         program = _artifact.export_converted(qmodel)
@@ -425,8 +399,8 @@ def run_quantize(args, say) -> int:
         _artifact.write_json(tmp / _artifact.RECIPE_FILE, report.json_safe(doc))
         if loaded.tokenizer is not None:
             loaded.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
-        if _cli_export.CT in _cli_export.parse_formats(args.format):  # the HF checkpoint beside model.pt2
-            ct_export = _cli_export.write(tmp / _cli_export.SUBDIR, qmodel=qmodel, spec=spec, loaded=loaded,
+        if _export.CT in _export.parse_formats(args.format):  # the HF checkpoint beside model.pt2
+            ct_export = _export.write(tmp / _export.SUBDIR, qmodel=qmodel, spec=spec, loaded=loaded,
                                           batches=heldout, skip_unsupported=args.skip_unsupported, atomic=False)
         t = clock.lap("save", t)
         clock.times["total"] = round(time.perf_counter() - clock.start, 2)
@@ -455,7 +429,7 @@ def run_quantize(args, say) -> int:
                                "drop": fallback.drop, "budget": fallback.budget, "met": fallback.met,
                                "int8_gemm_fraction": fallback.int8_gemm_fraction}
         if ct_export is not None:
-            rep["compressed_tensors"] = _cli_export.summary(ct_export)
+            rep["compressed_tensors"] = _export.summary(ct_export)
         if any(str(r.get("dtype")) in ("int4", "uint4") for r in records):
             # whether quantkit's CPU int4 kernel runs these weights here, and why not (checked, not built)
             from ..kernels import int4_cpu_status  # not at import: quantkit.kernels decorates Triton kernels
@@ -469,10 +443,10 @@ def run_quantize(args, say) -> int:
         f"on {metric['samples']} held-out samples, size {rep['size']['ratio']:.3f}x fp32, "
         f"{clock.times['total']:.0f} s{note}")
     if ct_export is not None:
-        say(f"  {out / _cli_export.SUBDIR}: {_cli_export.describe(ct_export)}")
+        say(f"  {out / _export.SUBDIR}: {_export.describe(ct_export)}")
     if tuned is not None:
-        say("  " + _cli_autotune.summary_line(tuned))
-    return _cli_autotune.exit_code(args, tuned)
+        say("  " + _autotune.summary_line(tuned))
+    return _autotune.exit_code(args, tuned)
 
 
 def _describe(spec: inputs.ModelSpec, loaded: inputs.LoadedModel) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .._errors import QuantkitError
-from . import _cli_inputs as inputs
+from . import _inputs as inputs
 
 __all__ = ["FP8Recipe", "FP8_SCHEMES", "describe_fp8"]
 

@@ -19,7 +19,7 @@ from .._errors import QuantkitError
 
 __all__ = [
     "DataSpec", "Split", "TENSOR_SUFFIXES", "read_samples", "nonfinite", "fingerprint", "split_samples",
-    "make_batches", "static_shapes", "pad_id_of", "to_device",
+    "make_batches", "static_shapes", "pad_id_of", "to_device", "nonfinite_split", "device_batches",
 ]
 
 TENSOR_SUFFIXES = (".pt", ".pth", ".npy", ".safetensors")
@@ -355,3 +355,28 @@ def to_device(batch, device: torch.device):
     if isinstance(batch, (tuple, list)):
         return type(batch)(t.to(device) for t in batch)
     return batch.to(device)
+
+
+def nonfinite_split(samples, origins, split: Split, skip: bool, what: str) -> tuple[Split, list[str]]:
+    """Leave samples holding NaN/inf out of the split (``skip``), or fail naming the first."""
+    bad = nonfinite(samples)
+    if bad and not skip:
+        raise QuantkitError(f"{what} sample {origins[bad[0]]} holds NaN or inf ({len(bad)} of {len(samples)} "
+                            "samples do); fix the data, or pass --skip-nonfinite to leave such samples out")
+    drop = set(bad)
+    kept = Split(calib=[i for i in split.calib if i not in drop],
+                 heldout=[i for i in split.heldout if i not in drop])
+    if bad and not kept.calib:
+        raise QuantkitError(f"every calibration sample holds NaN or inf ({len(bad)} of {len(samples)}); "
+                            "nothing is left to calibrate on: fix the data")
+    if bad and not kept.heldout:  # evaluate on what calibrates rather than on nothing
+        kept = Split(calib=kept.calib, heldout=kept.calib)
+    return kept, [origins[i] for i in bad]
+
+
+def device_batches(samples, origins, indices, loaded, *, what, seq_len, batch_size, device):
+    """The samples at ``indices`` as batches on ``device``, with each batch's sample origins."""
+    picked = [samples[i] for i in indices]
+    where = [origins[i] for i in indices]
+    batches = make_batches(picked, loaded, what=what, seq_len=seq_len, batch_size=batch_size, origins=where)
+    return [to_device(b, device) for b in batches], [where[i:i + batch_size] for i in range(0, len(where), batch_size)]

@@ -5,16 +5,15 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Any
 
 import torch
 from torch.fx import GraphModule
 
 from .. import _hf
 from .._errors import QuantkitError
-from .._text import printable
 from ..pipeline._inputs import call_model
 from .._graph import module_scopes
+from ._markdown import describe_recipe, render_report, render_table  # re-exported: report.md lives in _markdown
 
 __all__ = ["output_kind", "compare_models", "time_interleaved", "json_safe", "layer_sqnr", "render_report",
            "render_table", "describe_recipe", "sqnr_db", "METRIC_NAMES"]
@@ -304,90 +303,3 @@ def _head(batch, n: int):
 def _batch_size(batch) -> int:
     t = next(iter(batch.values())) if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else batch
     return int(t.shape[0])
-
-
-def _fmt(x: Any) -> str:
-    if isinstance(x, float):
-        return "inf" if math.isinf(x) else f"{x:.4f}" if abs(x) < 1.5 else f"{x:.2f}"
-    return str(x)
-
-
-def render_table(rows: list[dict], columns: list[str]) -> str:
-    """A plain-text table (also valid Markdown). Cells pass through ``quantkit._text.printable``
-    (before the widths are measured): a field read from a file cannot reach the terminal as a
-    control character or bidirectional override."""
-    cells = [[printable(_fmt(r.get(c, ""))) for c in columns] for r in rows]
-    columns = [printable(c) for c in columns]
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"  # noqa: E731
-    return "\n".join([line(columns), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in cells])
-
-
-def describe_recipe(r: dict) -> str:
-    """One sentence naming a recipe's choices (report.md, inspect)."""
-    if r.get("fp8"):
-        from ._cli_fp8 import describe_fp8
-
-        return describe_fp8(r)
-    if r.get("weight_only"):
-        from ._cli_weight_only import describe_weight_only
-
-        return describe_weight_only(r)
-    act = (f"dynamic {r.get('activation')} activations ({r.get('granularity')})" if r.get("dynamic")
-           else f"static {r.get('activation')} activations (observer `{r.get('observer')}`)")
-    return (f"scheme `{r.get('scheme')}`: int8 weights (observer `{r.get('weight_observer')}`), {act}, "
-            f"ops {', '.join(r.get('ops') or [])}")
-
-
-def render_report(report: dict) -> str:
-    """report.md from report.json's dictionary."""
-    m, s, r, d = report["metric"], report["size"], report["recipe"], report["data"]
-    accuracy = {"metric": m["name"], "mean cosine": m["mean_cosine"], "min cosine": m["min_cosine"],
-                "SQNR (dB)": m["sqnr_db"], "samples": m["samples"]}
-    cols = ["metric", "mean cosine", "min cosine", "SQNR (dB)", "samples"]
-    if "top1_agreement" in m:
-        accuracy["top-1 agreement"] = m["top1_agreement"]
-        cols.insert(4, "top-1 agreement")
-    lines = [f"# quantkit int8 report: {report['model']}", ""]
-    fit = report.get("weights_not_loaded")
-    if fit:
-        summary = ", ".join(f"{len(fit[k])} {k}" for k in ("missing", "unexpected", "mismatched") if fit[k])
-        lines += [f"**Warning: the checkpoint does not fit {fit['architecture']} ({summary}); it was quantized "
-                  "with --allow-missing-weights, so those tensors are randomly initialised.**", ""]
-    lines += [
-        f"Recipe: {describe_recipe(r)}; {d['calibration_samples']} calibration samples "
-        f"(held out: {d['heldout_samples']}), skipped: {', '.join(r['skip']) or 'nothing'}.",
-        "",
-    ]
-    if report.get("autotune"):  # --recipe auto|NAME (cli/_cli_autotune.py)
-        from ._cli_autotune import render
-
-        lines += render(report["autotune"])
-    for k in (report.get("kernels") or {}).values():  # e.g. the CPU int4 kernel: runs here, or why not
-        lines += [f"Kernel {k['kernel']}: {'available' if k['available'] else 'unavailable'} ({k['reason']}).", ""]
-    if d.get("nonfinite_skipped"):
-        lines += [f"{d['nonfinite_skipped']} samples holding NaN or inf were left out (--skip-nonfinite), "
-                  f"e.g. {', '.join(d['nonfinite_examples'])}.", ""]
-    lines += [
-        "## Accuracy on the held-out split",
-        "",
-        render_table([accuracy], cols),
-        "",
-        "## Size",
-        "",
-        render_table([{"fp32 weights (bytes)": s["float_bytes"], "model.pt2 (bytes)": s["int8_bytes"],
-                       "ratio": s["ratio"]}], ["fp32 weights (bytes)", "model.pt2 (bytes)", "ratio"]),
-        "",
-        "## Time",
-        "",
-        render_table([{"stage": k, "seconds": v} for k, v in report["time_s"].items()], ["stage", "seconds"]),
-        "",
-        "## Per-layer output SQNR",
-        "",
-        "Each layer's output in the int8 model against the float model on one held-out batch "
-        "(errors of earlier layers included; inf: identical).",
-        "",
-        render_table(report["layers"], ["layer", "op", "weight", "sqnr_db"]),
-        "",
-    ]
-    return "\n".join(lines)

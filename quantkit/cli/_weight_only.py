@@ -7,7 +7,7 @@ import functools
 from dataclasses import dataclass
 
 from .._errors import QuantkitError
-from . import _cli_inputs as inputs
+from . import _inputs as inputs
 
 __all__ = ["WeightOnlyRecipe", "WEIGHT_ONLY_SCHEMES", "check_weight_algorithm", "describe_weight_only"]
 
