@@ -627,7 +627,7 @@ def test_sigkill_during_save_never_loses_the_old_artifact(mode, saved, tmp_path)
 _CLI_CHILD = r"""
 import pathlib, sys, time
 from quantkit.export import _artifact
-from quantkit.cli import _cli_quantize
+from quantkit.cli import _quantize
 from quantkit import cli
 out, ready = sys.argv[1:3]
 
@@ -638,7 +638,7 @@ def run_quantize(args, say):
         time.sleep(300)
     return 0
 
-_cli_quantize.run_quantize = run_quantize
+_quantize.run_quantize = run_quantize
 sys.exit(cli.main(["quantize", "--out", out]))
 """
 
