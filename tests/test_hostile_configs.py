@@ -345,8 +345,8 @@ def test_path_choice_is_reported(llama_dir, calib_dir, tmp_path, capsys):
     said = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("memory:")]
     assert len(said) == 1 and "quantizing in memory" in said[0] and "4 GiB" in said[0], said
     assert json.loads((tmp_path / "a" / "quantization.json").read_text())["source"].get("sequential") is not True
-    from quantkit.cli import _cli_inputs, _cli_sequential
+    from quantkit.cli import _inputs, _sequential
 
     quiet = SimpleNamespace(max_memory="4GiB", sequential=False, resume=False, quiet=True, seq_len=128, batch_size=2)
-    assert _cli_sequential.wanted(quiet, _cli_inputs.ModelSpec("hf", path=str(llama_dir))) is False
+    assert _sequential.wanted(quiet, _inputs.ModelSpec("hf", path=str(llama_dir))) is False
     assert capsys.readouterr().out == ""
