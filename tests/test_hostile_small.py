@@ -137,7 +137,7 @@ def test_kv_cache_on_a_model_without_attention_is_refused(mlp_files, tmp_path, c
     out = tmp_path / "out"
     calibrated = []
     monkeypatch.setattr(quantkit, "calibrate", lambda *a, **k: calibrated.append(1))
-    from quantkit.cli import _distributed
+    from quantkit.cli import _torchrun as _distributed
 
     monkeypatch.setattr(_distributed, "calibrate", lambda *a, **k: calibrated.append(1))
     line = _fails(mlp_quantize_args(weights, calib, out, "--scheme", scheme, "--kv-cache", kv), capsys, code=1,
@@ -231,10 +231,10 @@ def test_int8_kv_cache_for_compressed_tensors_is_refused_up_front(bert_dir, sent
                                                                    monkeypatch):
     """quantkit's int8 KV cache ([-127, 127]) is not the format's ([-128, 127]): refused before the model
     loads, in the CLI's words (it used to fail after calibration with kv_cache='fp8_e4m3')."""
-    from quantkit.cli import _cli_inputs
+    from quantkit.cli import _inputs
 
     ran = []
-    monkeypatch.setattr(_cli_inputs, "load_model", lambda *a, **k: ran.append("load") or 1 / 0)
+    monkeypatch.setattr(_inputs, "load_model", lambda *a, **k: ran.append("load") or 1 / 0)
     out = tmp_path / "out"
     line = _fails(_ct_args(bert_dir, sentences, out, "--scheme", "fp8", "--kv-cache", "int8"), capsys, code=2,
                   inputs=[bert_dir, sentences], out=out)
@@ -412,13 +412,13 @@ def test_auto_map_is_left_out_and_the_export_loads_without_its_code(bert_copy, s
 def test_quantized_source_is_refused_before_loading(bert_copy, sentences, tmp_path, capsys, monkeypatch, fmt):
     """A config.json with a quantization_config fails in one line in under FAST_S, before the model is
     loaded or calibrated (both patched to record that they ran)."""
-    from quantkit.cli import _cli_inputs, _distributed
+    from quantkit.cli import _inputs, _torchrun as _distributed
 
     cfg = json.loads((bert_copy / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "int-quantized"}
     (bert_copy / "config.json").write_text(json.dumps(cfg, indent=2))
     ran = []
-    monkeypatch.setattr(_cli_inputs, "load_model", lambda *a, **k: ran.append("load") or 1 / 0)
+    monkeypatch.setattr(_inputs, "load_model", lambda *a, **k: ran.append("load") or 1 / 0)
     monkeypatch.setattr(_distributed, "calibrate", lambda *a, **k: ran.append("calibrate") or 1 / 0)
     monkeypatch.setattr(quantkit, "calibrate", lambda *a, **k: ran.append("calibrate") or 1 / 0)
     out = tmp_path / "out"
