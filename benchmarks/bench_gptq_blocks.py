@@ -23,7 +23,7 @@ import torch
 from _minilm_split import SentenceEmbedder, interleaved_split  # run as a script: benchmarks/ is on sys.path
 
 import quantkit
-from quantkit.accuracy import _rounding
+from quantkit.accuracy.rounding import _gptq, _gptq_blocks
 from quantkit.quantizers import QuantConfig, W8A8Quantizer, WeightOnlyQuantizer
 
 
@@ -46,9 +46,9 @@ def main() -> None:
     split = interleaved_split(args.batch_size)
     calib = split.batches(split.calibration[:args.calib])
     graph = quantkit.capture(SentenceEmbedder(split.model).eval(), calib[0])
-    blocks_gptq = _rounding.run_gptq
+    blocks_gptq = _gptq.run_gptq
     timing: dict[str, float] = {}
-    real_quantize = _rounding.gptq_quantize
+    real_quantize = _gptq_blocks.gptq_quantize
 
     def quantize_timed(*a, **k):  # the per-layer algorithm (column loop), apart from the data passes
         t0 = time.perf_counter()
@@ -57,7 +57,7 @@ def main() -> None:
         finally:
             timing["layers"] = timing.get("layers", 0.0) + time.perf_counter() - t0
 
-    _rounding.gptq_quantize = quantize_timed
+    _gptq_blocks.gptq_quantize = quantize_timed
 
     def timed(fn):
         def run(*a, **k):
@@ -75,8 +75,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     states = {}
     for r in range(args.repeats):
-        for name, fn in (("blocks (each block once)", blocks_gptq), ("prefix re-run", _rounding.run_gptq_prefix)):
-            _rounding.run_gptq = timed(fn)
+        for name, fn in (("blocks (each block once)", blocks_gptq), ("prefix re-run", _gptq.run_gptq_prefix)):
+            _gptq.run_gptq = timed(fn)
             timing["layers"] = 0.0
             t0 = time.perf_counter()
             qm = quantkit.quantize(graph, calib[0], calib, _quantizer(args.scheme), progress=False)
@@ -84,7 +84,7 @@ def main() -> None:
             states[name] = {k: v for k, v in qm.state_dict().items() if not v.is_floating_point()}
             print(f"| {name} | {timing['gptq']:.1f} | {timing['layers']:.1f} | {timing['gptq'] - timing['layers']:.1f} "
                   f"| {total:.1f} | {os.getloadavg()[0]:.1f} |", flush=True)
-    _rounding.run_gptq = blocks_gptq
+    _gptq.run_gptq = blocks_gptq
     a, b = states.values()
     same = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     print(f"integer tensors identical: {same} ({len(a)} tensors)")

@@ -17,7 +17,7 @@ Accuracy tools: ``quantkit.debug.compare`` (per-layer numerics), ``quantkit.sens
 
 from . import _quiet  # noqa: F401  (first: imports torchao without its import-time log noise)
 from .pipeline._api import quantize
-from .pipeline._sequential import quantize_pretrained
+from .sequential import quantize_pretrained
 from .export._artifact import load, save
 from .export._compressed_tensors import export_compressed_tensors
 from .pipeline._calibrate import calibrate

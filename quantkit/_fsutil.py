@@ -1,4 +1,4 @@
-"""Low-level file-system guards shared by the writers (``export/_atomic``, ``pipeline/_seq_state``).
+"""Low-level file-system guards shared by the writers (``export/_atomic``, ``sequential/_state``).
 
 ``O_NOFOLLOW``/``O_CLOEXEC`` where the platform has them, and an exclusive ``flock`` on a
 directory: the kernel drops it when its holder dies, so a lock that can be taken means that

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -52,10 +53,9 @@ def default_model_path() -> Path:
 
 
 def default_calibration_file() -> Path:
-    """``calibration_data/sentences.txt``, shipped with quantkit."""
-    from quantkit import calibration_data
-
-    return Path(calibration_data.__file__).parent / "sentences.txt"
+    """``calibration_data/sentences.txt``, shipped with quantkit (a package resource: read
+    without importing the ``quantkit`` façade from this core module)."""
+    return Path(str(resources.files("quantkit.calibration_data") / "sentences.txt"))
 
 
 # --task names → transformers' Auto classes; "auto" takes config.json's `architectures`

@@ -1,5 +1,5 @@
 """SmoothQuant, AWQ and GPTQ under two gloo processes (issue 16), against one process on all
-the batches (the equivalences documented in ``quantkit.accuracy._dist_rounding``):
+the batches (the equivalences documented in ``quantkit.accuracy.rounding._sync``):
 
 - SmoothQuant (fixed α and ``"auto"``): the smoothed model is ``torch.equal`` to one process's;
 - AWQ: the scaled, clipped weights and their qparams are ``torch.equal`` to one process's;
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import quantkit
-from quantkit.accuracy import _rounding
+from quantkit.accuracy.rounding import _base as _rounding
 from quantkit.observers import HessianObserver
 from quantkit.observers._sync import sync_observers
 from quantkit.quantizers import QuantConfig, W8A8Quantizer, WeightOnlyQuantizer
@@ -98,7 +98,7 @@ def ranks(tmp_path_factory):
         sync_observers([h])
         res["hessian"] = [h.xtx.clone(), h.rows.clone()]
         # a "cat" buffer synced twice: rows in rank order, then only the new rows, every bit kept
-        from quantkit.accuracy._dist_rounding import _Carrier
+        from quantkit.accuracy.rounding._sync import _Carrier
 
         first = torch.tensor([[0.0, -0.0]]) if rank == 0 else torch.tensor([[1.0, 1.0], [1.0, -0.0]])
         c = _Carrier("rows", {"rows": "cat"}, {"rows": first})

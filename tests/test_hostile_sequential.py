@@ -29,8 +29,8 @@ import quantkit
 from quantkit._fsutil import lock_dir
 from quantkit.cli import main
 from quantkit.export import _atomic
-from quantkit.pipeline import _sequential
-from quantkit.pipeline._seq_state import PartialDir
+from quantkit.sequential import _run as _sequential
+from quantkit.sequential._state import PartialDir
 from tests._hostile import _fails, _tree
 from tests.cli_factories import mlp_quantize_args, write_mlp_inputs
 
@@ -502,7 +502,7 @@ def test_progress_files_are_plain_safetensors_with_their_digest(tmp_path):
     safetensors' reader takes back exactly, every dtype the run stores included."""
     from safetensors.torch import load_file
 
-    from quantkit.pipeline._seq_files import Ledger
+    from quantkit.sequential._files import Ledger
 
     g = torch.Generator().manual_seed(0)
     tensors = {"f32": torch.randn(3, 5, generator=g), "bf16": torch.randn(4, generator=g).bfloat16(),

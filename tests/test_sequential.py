@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import quantkit
-from quantkit.pipeline import _sequential
-from quantkit.pipeline._sequential import quantize_pretrained, parse_size
+from quantkit.sequential import _run as _sequential
+from quantkit.sequential._run import quantize_pretrained, parse_size
 from quantkit.quantizers import QuantConfig, W8A8Quantizer
 
 transformers = pytest.importorskip("transformers")
@@ -135,7 +135,7 @@ _CHILD = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
     from test_sequential import _batches
-    from quantkit.pipeline._sequential import quantize_pretrained
+    from quantkit.sequential._run import quantize_pretrained
     quantize_pretrained({model!r}, _batches("llama"), out={out!r}, sequential=True, progress=False)
 """)
 
@@ -231,7 +231,7 @@ def test_cli_max_memory_quantizes_block_by_block(checkpoints, tmp_path, capsys):
     args = ["quantize", str(checkpoints["llama"]), "--calib", str(calib), "--out", str(out), "--batch-size", "2"]
     assert main(args + ["--max-memory", "lots"]) == 2
     assert "--max-memory" in capsys.readouterr().err
-    # the checkpoint is ~200 KB, but a budget is kept with the graph too (quantkit.pipeline._budget)
+    # the checkpoint is ~200 KB, but a budget is kept with the graph too (quantkit.sequential._budget)
     assert main(args + ["--sequential", "--max-memory", "100MiB", "--quiet"]) == 0
     doc = json.loads((out / "quantization.json").read_text())
     assert doc["source"]["sequential"] is True and doc["source"]["max_memory"] == "100MiB"

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import quantkit
-from quantkit.accuracy import _gptq_blocks, _rounding
-from quantkit.pipeline import _sequential
-from quantkit.pipeline._sequential import quantize_pretrained
+from quantkit.accuracy.rounding import _gptq, _gptq_blocks
+from quantkit.sequential import _run as _sequential
+from quantkit.sequential._run import quantize_pretrained
 from quantkit.quantizers import QuantConfig, W8A8Quantizer, WeightOnlyQuantizer
 
 transformers = pytest.importorskip("transformers")
@@ -155,7 +155,7 @@ def test_in_memory_gptq_runs_each_block_once(checkpoints, llama_in_memory, monke
     assert passes == [(0, "forward")] * n + [(1, "hessian")] * n + [(1, "forward")] * n + \
         [(2, "hessian")] * n + [(2, "forward")] * n + [(3, "hessian")] * n
     assert len(blocks.meta.get("quantkit_qparams", [])) > 0
-    monkeypatch.setattr(_rounding, "run_gptq", _rounding.run_gptq_prefix)
+    monkeypatch.setattr(_gptq, "run_gptq", _gptq.run_gptq_prefix)
     prefix = quantkit.quantize(model, batches[0], batches, GPTQ, progress=False)
     _assert_same_model(blocks, prefix, blocks.meta["quantkit_qparams"], prefix.meta["quantkit_qparams"])
     _assert_same_model(blocks, llama_in_memory, blocks.meta["quantkit_qparams"],
@@ -168,8 +168,8 @@ def test_in_memory_gptq_falls_back_without_a_chain(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
     data = [torch.randn(4, 16) for _ in range(3)]
     used: list[str] = []
-    real = _rounding.run_gptq_prefix
-    monkeypatch.setattr(_rounding, "run_gptq_prefix", lambda *a, **k: (used.append("prefix"), real(*a, **k))[1])
+    real = _gptq.run_gptq_prefix
+    monkeypatch.setattr(_gptq, "run_gptq_prefix", lambda *a, **k: (used.append("prefix"), real(*a, **k))[1])
     q = quantkit.quantize(model, data[0], data, GPTQ, progress=False)
     assert used == ["prefix"]
     assert sum(v.dtype == torch.int8 for v in q.state_dict().values()) == 2
@@ -179,10 +179,10 @@ def test_cli_sequential_gptq(checkpoints, tmp_path, monkeypatch):
     from quantkit.cli import main
 
     rounded: list[str] = []
-    real = _rounding.round_linears
-    monkeypatch.setattr(_rounding, "round_linears",
+    real = _gptq.round_linears
+    monkeypatch.setattr(_gptq, "round_linears",
                         lambda lins, h, block, *a: (rounded.append(block), real(lins, h, block, *a))[1])
-    monkeypatch.setattr(_gptq_blocks, "round_linears", _rounding.round_linears)
+    monkeypatch.setattr(_gptq_blocks, "round_linears", _gptq.round_linears)
 
     calib = tmp_path / "calib"
     calib.mkdir()

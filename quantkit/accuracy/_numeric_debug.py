@@ -28,6 +28,7 @@ from ..pipeline._capture import capture
 from ..pipeline._fold_bn import fold_conv_bn
 from ..pipeline._layers import DEQUANTIZE_OPS, QUANTIZE_OPS, Layer, find_layers, layer_of, source_dequantize
 from ._metrics import reiterable
+from .._graph import unique_attr_name
 from .._qmath import dequantize
 
 __all__ = ["compare", "LayerReport", "LayerRow", "ActivationRange"]
@@ -163,13 +164,11 @@ class _Swap(torch.nn.Module):
 
 def _splice(gm: GraphModule, node: Node, module: torch.nn.Module, users=None) -> None:
     """Insert ``module`` after ``node``; route ``users`` (default: all) through it."""
-    i = 0
-    while hasattr(gm, f"_qk_debug_{i}"):
-        i += 1
-    gm.add_submodule(f"_qk_debug_{i}", module)
+    name = unique_attr_name(gm, "_qk_debug_")
+    gm.add_submodule(name, module)
     targets = list(node.users) if users is None else list(users)
     with gm.graph.inserting_after(node):
-        new = gm.graph.call_module(f"_qk_debug_{i}", (node,))
+        new = gm.graph.call_module(name, (node,))
     for user in targets:
         user.replace_input_with(node, new)
 

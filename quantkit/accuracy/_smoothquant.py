@@ -11,28 +11,29 @@ rows); otherwise an explicit ``x * (1/s)`` is inserted before them.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
 from quantkit.observers._tokens import real_tokens
 
+from quantkit.quantizers import Granularity, QuantConfig, W8A8Quantizer
+
+from .._graph import get_attr
+from .._qmath import choose_qparams, fake_quantize
 from ..pipeline._calibrate import run_batches
 from ..pipeline._capture import capture
+from ..pipeline._distributed import use_distributed
 from ..pipeline._layers import DEQUANTIZE_OPS, layer_of
-from ._metrics import reiterable
-from .._qmath import choose_qparams, fake_quantize
 from ..pipeline._sharing import observer_for_spec
+from ._folding import FoldGroup, attr_use_counts, fold_target, insert_mul, own_attr
+from ._metrics import reiterable
+from .rounding._sync import sync_channel_stats, synced_pass
 
 __all__ = ["smooth_quant", "parse_alpha", "SMOOTHQUANT_META_KEY"]
 
 aten = torch.ops.aten
-_NORMS = {aten.layer_norm.default: (2, 3)}  # target -> indices of (weight, bias) among args
-if hasattr(aten, "rms_norm"):
-    _NORMS[aten.rms_norm.default] = (2, None)
-
 # gm.meta entry: one record per smoothed group of linears
 SMOOTHQUANT_META_KEY = "quantkit_smoothquant"
 
@@ -71,39 +72,18 @@ def _check_alpha(alpha) -> float | str:
     return float(alpha)
 
 
-@dataclass
-class _Group:
-    source: Node
-    linears: list[Node]
-
-
-def _attr(gm: GraphModule, node: Node) -> torch.Tensor:
-    obj = gm
-    for atom in str(node.target).split("."):
-        obj = getattr(obj, atom)
-    return obj
-
-
-def _own_attr(node, counts: dict) -> bool:
-    """``node`` is a get_attr used by one node only, and no other get_attr reads the same tensor."""
-    return isinstance(node, Node) and node.op == "get_attr" and len(node.users) == 1 and counts[str(node.target)] == 1
-
-
-def _groups(gm: GraphModule) -> list[_Group]:
-    counts: dict[str, int] = {}
-    for n in gm.graph.nodes:
-        if n.op == "get_attr":
-            counts[str(n.target)] = counts.get(str(n.target), 0) + 1
+def _groups(gm: GraphModule) -> list[FoldGroup]:
+    counts = attr_use_counts(gm)
     groups = []
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if not (isinstance(val, torch.Tensor) and val.dtype == torch.float32):
             continue
         linears = [u for u in node.users if u.op == "call_function" and u.target is aten.linear.default
-                   and u.args[0] is node and _own_attr(u.args[1], counts)
-                   and (len(u.args) < 3 or u.args[2] is None or _own_attr(u.args[2], counts))]
+                   and u.args[0] is node and own_attr(u.args[1], counts)
+                   and (len(u.args) < 3 or u.args[2] is None or own_attr(u.args[2], counts))]
         if linears:
-            groups.append(_Group(node, linears))
+            groups.append(FoldGroup(node, linears))
     return groups
 
 
@@ -135,7 +115,7 @@ class _ChannelStats(torch.nn.Module):
         return x
 
 
-def _collect(gm: GraphModule, groups: list[_Group], data: Iterable, keep_rows: int,
+def _collect(gm: GraphModule, groups: list[FoldGroup], data: Iterable, keep_rows: int,
              distributed: bool = False) -> list[_ChannelStats]:
     tapped = copy.deepcopy(gm)
     nodes = {n.name: n for n in tapped.graph.nodes}
@@ -151,8 +131,6 @@ def _collect(gm: GraphModule, groups: list[_Group], data: Iterable, keep_rows: i
                 user.replace_input_with(src, tap)
         stats.append(mod)
     tapped.recompile()
-    from ._dist_rounding import sync_channel_stats, synced_pass
-
     n = synced_pass(lambda: run_batches(tapped, data, progress=False, max_batches=None, desc="smoothquant",
                                         what="calibration", skip_padding=True),
                     lambda: sync_channel_stats(stats), distributed)  # every rank's batches, when distributed
@@ -173,8 +151,6 @@ def _quantized_acts(xs: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, config
     """``xs`` after the activation quantization ``config`` gives a linear's input: per token
     (the ``quantized_decomposed`` ops ``convert`` emits), dynamic per tensor (its own range), or
     static per tensor over the calibrated ``[lo, hi]``."""
-    from quantkit.quantizers import Granularity
-
     if hasattr(config, "fake_quant_activations"):  # a config that says how (FP8Config)
         return config.fake_quant_activations(xs, lo, hi)
     if config.dynamic and config.granularity is Granularity.PER_TOKEN:
@@ -192,8 +168,6 @@ def _quantized_acts(xs: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, config
 
 def _quantized_weight(w: torch.Tensor, config) -> torch.Tensor:
     """``w`` fake-quantized by the weight observer ``config`` names (what convert stores)."""
-    from quantkit.quantizers import W8A8Quantizer
-
     if hasattr(config, "fake_quant_weight"):  # a config that says how (FP8Config)
         return config.fake_quant_weight(w)
     obs = observer_for_spec(W8A8Quantizer.weight_spec(config))
@@ -213,47 +187,6 @@ def _w8a8_error(rows, mn, mx, weights, s, config) -> float:
         wq = _quantized_weight(w * s, config)
         err += float((rows @ w.T - xq @ wq.T).double().pow(2).sum())
     return err
-
-
-def _fold_target(gm: GraphModule, group: _Group, counts: dict) -> tuple[str, list[tuple[torch.Tensor, bool]]] | None:
-    """Where ``1/s`` can be folded: (kind, [(tensor, scale_rows), ...]), or None."""
-    src = group.source
-    if set(src.users) != set(group.linears) or src.op != "call_function":
-        return None
-    if src.target in _NORMS:
-        wi, bi = _NORMS[src.target]
-        w = src.args[wi] if len(src.args) > wi else None
-        b = src.args[bi] if bi is not None and len(src.args) > bi else None
-        if not _own_attr(w, counts) or (b is not None and not _own_attr(b, counts)):
-            return None
-        return "norm", [(_attr(gm, w), False)] + ([(_attr(gm, b), False)] if b is not None else [])
-    if src.target is aten.linear.default:
-        w = src.args[1]
-        b = src.args[2] if len(src.args) > 2 else None
-        if not _own_attr(w, counts) or (b is not None and not _own_attr(b, counts)):
-            return None
-        return "linear", [(_attr(gm, w), True)] + ([(_attr(gm, b), False)] if b is not None else [])
-    return None
-
-
-def _insert_mul(gm: GraphModule, group: _Group, inv_s: torch.Tensor, index: int) -> None:
-    name = f"_qk_smooth_inv_{index}"
-    while hasattr(gm, name):
-        index += 1
-        name = f"_qk_smooth_inv_{index}"
-    gm.register_buffer(name, inv_s)
-    src = group.source
-    with gm.graph.inserting_after(src):
-        inv = gm.graph.get_attr(name)
-    with gm.graph.inserting_after(inv):
-        mul = gm.graph.call_function(aten.mul.Tensor, (src, inv))
-    # the quantizer reads shapes and module scopes from node meta
-    mul.meta["val"] = src.meta["val"]
-    stack = group.linears[0].meta.get("nn_module_stack")
-    if stack is not None:
-        mul.meta["nn_module_stack"] = dict(stack)
-    for lin in group.linears:
-        lin.replace_input_with(src, mul)
 
 
 def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | str = 0.5, *,
@@ -281,7 +214,7 @@ def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | st
             ``torch.distributed`` group of more than one process, takes ``calib_data`` as this
             rank's shard and reduces the activation statistics across ranks, so that every rank
             gets the factors of one process on all the shards in rank order (min/max exact;
-            ``alpha="auto"``'s row sample: see ``quantkit.accuracy._dist_rounding``).
+            ``alpha="auto"``'s row sample: see ``quantkit.accuracy.rounding._sync``).
 
     Returns:
         The smoothed GraphModule. ``gm.meta["quantkit_smoothquant"]`` lists each
@@ -292,10 +225,6 @@ def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | st
         >>> smoothed = quantkit.smooth_quant(model, calib, alpha=0.5)
         >>> qmodel = quantkit.quantize(smoothed, (x[:8],), calib)
     """
-    from quantkit.quantizers import QuantConfig
-
-    from ..pipeline._distributed import use_distributed
-
     alpha = _check_alpha(alpha)
     distributed = use_distributed(distributed)
     if config is None:
@@ -319,15 +248,12 @@ def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | st
 
     groups = _groups(gm)
     stats = _collect(gm, groups, data, _AUTO_ROWS if alpha == "auto" else 0, distributed) if groups else []
-    counts: dict[str, int] = {}
-    for n in gm.graph.nodes:
-        if n.op == "get_attr":
-            counts[str(n.target)] = counts.get(str(n.target), 0) + 1
+    counts = attr_use_counts(gm)
     records = []
     for i, (group, st) in enumerate(zip(groups, stats)):
         if st.min is None:
             continue  # never reached by calibration
-        weights = [_attr(gm, lin.args[1]).detach() for lin in group.linears]
+        weights = [get_attr(gm, lin.args[1].target).detach() for lin in group.linears]
         if any(w.numel() == 0 for w in weights):
             continue  # a zero-width layer in the group: nothing to balance (it stays float)
         act_max = torch.maximum(st.min.abs(), st.max.abs()).double()
@@ -344,12 +270,12 @@ def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | st
             records.append({**record, "folded_into": None})
             continue
         s = _scales(act_max, w_max, chosen).float()
-        target = _fold_target(gm, group, counts)
+        target = fold_target(gm, group, counts)
         with torch.no_grad():
             for lin in group.linears:
-                _attr(gm, lin.args[1]).mul_(s)
+                get_attr(gm, lin.args[1].target).mul_(s)
             if target is None:
-                _insert_mul(gm, group, (1.0 / s).to(st.min.device), i)
+                insert_mul(gm, group, (1.0 / s).to(st.min.device), i)
                 kind = "mul"
             else:
                 kind, tensors = target

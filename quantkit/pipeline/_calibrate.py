@@ -11,7 +11,10 @@ from torch.fx import GraphModule
 from quantkit.observers._tokens import token_mask
 
 from .._errors import CalibrationError, QuantkitError
+from ._distributed import calibrate_synced, use_distributed
+from ._hooks import CalibrationRun, with_hooks
 from ._inputs import call_model
+from ._prepare import is_observer_module
 
 __all__ = ["calibrate", "run_batches"]
 
@@ -103,7 +106,8 @@ def calibrate(prepared: GraphModule, data: Iterable, *, progress: bool = True,
             GPTQ/AWQ weight rounding syncs its statistics after each pass (AWQ's |x| and row
             sample, each block's Hessians), so every rank rounds to the same integers; the
             Hessians equal one process merging the ranks' observers in rank order (see
-            ``quantkit.accuracy._dist_rounding``).
+            ``quantkit.accuracy.rounding._sync``). Weight algorithms join through the calibration
+            hooks (``pipeline._hooks``).
 
     Returns:
         ``prepared`` itself (calibration updates it in place).
@@ -112,21 +116,16 @@ def calibrate(prepared: GraphModule, data: Iterable, *, progress: bool = True,
         CalibrationError: no batches, NaN/inf activations (the message names the node),
             or a batch whose shape the captured graph cannot take.
     """
-    from ._prepare import is_observer_module
-
     if not isinstance(prepared, GraphModule) or not (
             prepared.meta.get("quantkit_prepared", False) or any(is_observer_module(m) for m in prepared.modules())):
         raise TypeError("calibrate expects a model returned by quantkit.prepare (or torchao's prepare_pt2e)")
-    from ._distributed import calibrate_synced, use_distributed
-
     run = lambda: run_batches(prepared, data, progress=progress, max_batches=max_batches,  # noqa: E731
                               desc="calibrating", what="calibration", skip_padding=skip_padding)
-    from quantkit.accuracy._rounding import with_weight_algorithms  # GPTQ/AWQ, when weights ask for them
-
     synced = use_distributed(distributed)
-    # GPTQ/AWQ under a process group: their statistics synced pass by pass (accuracy/_dist_rounding)
-    rounded = with_weight_algorithms(prepared, data, run, max_batches=max_batches, distributed=synced)
-    seen = calibrate_synced(prepared, rounded, data) if synced else rounded()
+    # the registered hooks (GPTQ/AWQ, when weights ask for them), their statistics synced pass by
+    # pass under a process group (quantkit.accuracy.rounding)
+    hooked = with_hooks(CalibrationRun(prepared, data, max_batches, synced), run)
+    seen = calibrate_synced(prepared, hooked, data) if synced else hooked()
     if seen == 0:
         raise CalibrationError(
             "calibration data is empty: no batches were run; pass at least one representative batch"

@@ -41,7 +41,7 @@ from torch.fx import GraphModule
 from quantkit.observers._collective import EXCHANGED, clean, collective, comm_device, exchange
 
 from .._errors import CalibrationError, DistributedError
-from ._convert import _attr
+from .._graph import get_attr
 from ._prepare import is_observer_module
 
 __all__ = ["shard", "use_distributed", "calibrate_synced", "on_all_ranks", "agree", "agreement_record",
@@ -200,7 +200,7 @@ def _weights(prepared: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     if isinstance(prepared, GraphModule):
         for node in prepared.graph.nodes:
             if node.op == "get_attr":
-                t = _attr(prepared, str(node.target))
+                t = get_attr(prepared, str(node.target))
                 if isinstance(t, torch.Tensor) and id(t) not in seen:
                     seen.add(id(t))
                     out.append((str(node.target), t))

@@ -9,7 +9,7 @@ import pytest
 
 import quantkit
 from quantkit import _hf
-from quantkit.accuracy import _rounding
+from quantkit.accuracy.rounding import _gptq_blocks
 from quantkit.quantizers import WeightOnlyQuantizer
 
 pytestmark = pytest.mark.slow
@@ -29,14 +29,14 @@ def test_gptq_layer_error_at_most_rtn_on_minilm(monkeypatch):
     sents = _hf.read_sentences(_hf.default_calibration_file())[:16]
     calib = _hf.tokenize(tok, sents, seq_len=32, batch_size=8)
     seen = []
-    real = _rounding.gptq_quantize
+    real = _gptq_blocks.gptq_quantize
 
     def spy(weight, hessian, scheme, config):
         res = real(weight, hessian, scheme, config)
         seen.append((weight.double().numpy(), hessian.double().numpy(), res.dequantized.double().numpy()))
         return res
 
-    monkeypatch.setattr(_rounding, "gptq_quantize", spy)
+    monkeypatch.setattr(_gptq_blocks, "gptq_quantize", spy)
     prepared = quantkit.prepare(quantkit.capture(model, calib[0]), WeightOnlyQuantizer(group_size=128, algorithm="gptq"))
     quantkit.calibrate(prepared, calib, progress=False)
     assert len(seen) == 37  # 6 blocks x (q, k, v, attention output, intermediate, output) + pooler

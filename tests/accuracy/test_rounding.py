@@ -11,7 +11,7 @@ import torch
 
 import quantkit
 from quantkit._errors import CalibrationError, ConvertError
-from quantkit.accuracy import _rounding
+from quantkit.accuracy.rounding import _base as _rounding
 from quantkit.accuracy._gptq import gptq_quantize
 from quantkit.accuracy._wscheme import WeightScheme
 from quantkit.quantizers import QuantConfig, W8A8Quantizer, WeightOnlyQuantizer

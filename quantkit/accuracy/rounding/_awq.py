@@ -15,18 +15,22 @@ is then clipped to the fraction of its max |w| (1, 0.95, …, 0.55) with the lea
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch.fx import GraphModule, Node
 
 from quantkit.observers._tokens import real_tokens
 
-from ._rounding import RoundedLinear, Tapped, get_attr, set_attr
-from ._smoothquant import _fold_target, _Group, _insert_mul
-from ._wscheme import WeightScheme
+from ..._errors import CalibrationError
+from ..._graph import get_attr, set_attr
+from ...pipeline._hooks import CalibrationRun, register_calibration_hook
+from .._folding import FoldGroup, attr_use_counts, fold_target, insert_mul
+from .._wscheme import WeightScheme
+from ._base import RoundedLinear, Tapped, record_rounding, rounding_plan
+from ._sync import distributed_rounding, sync_row_stats, synced_pass
 
-__all__ = ["AWQConfig", "awq_scales", "awq_clip", "run_awq"]
+__all__ = ["AWQConfig", "awq_scales", "awq_clip", "run_awq", "awq_hook"]
 
 
 @dataclass(frozen=True)
@@ -171,19 +175,12 @@ def run_awq(prepared: GraphModule, linears: list[RoundedLinear], data: Iterable,
     for src in groups:
         stats[src] = _RowStats(config.rows)
         tapped.tap(src, stats[src])
-    from ._dist_rounding import sync_row_stats, synced_pass
-
     seen = synced_pass(lambda: tapped.run(data, max_batches=max_batches, desc="awq"),  # every rank's, when distributed
                        lambda: sync_row_stats(stats.values()))
     tapped.clear()
     if seen == 0:
-        from .._errors import CalibrationError
-
         raise CalibrationError("calibration data is empty: no batches were run; AWQ needs representative batches")
-    counts: dict[str, int] = {}
-    for n in prepared.graph.nodes:
-        if n.op == "get_attr":
-            counts[str(n.target)] = counts.get(str(n.target), 0) + 1
+    counts = attr_use_counts(prepared)
     records = []
     for index, (src, lins) in enumerate(groups.items()):
         st = stats[src]
@@ -198,12 +195,12 @@ def run_awq(prepared: GraphModule, linears: list[RoundedLinear], data: Iterable,
             # the linears' direct inputs from src (the linears, or activation observers before them)
             users = list(dict.fromkeys(u for lin in lins for u in src.users
                                        if u is lin.node or lin.node in u.users))
-            group = _Group(src, users)
+            group = FoldGroup(src, users)
             if src.op == "call_function":
                 _own_copy(prepared, src)
-            target = _fold_target(prepared, group, counts)
+            target = fold_target(prepared, group, counts)
             if target is None:
-                _insert_mul(prepared, group, (1.0 / s), index)
+                insert_mul(prepared, group, (1.0 / s), index)
                 kind = "mul"
             else:
                 kind, tensors = target
@@ -225,3 +222,19 @@ def run_awq(prepared: GraphModule, linears: list[RoundedLinear], data: Iterable,
                             "folded_into": kind if kind in (None, "mul") else f"{kind}:{src.name}"})
     prepared.recompile()
     return records
+
+
+@register_calibration_hook("awq", when="before_pass")
+def awq_hook(cal: CalibrationRun) -> Callable[[], None] | None:
+    """Before calibrate's pass (so that activation observers see the scaled activations), when
+    weight observers ask for AWQ: scale and clip their linears from one pass over the data."""
+    awq = [lin for lin in rounding_plan(cal) if lin.algorithm == "awq"]
+    if not awq:
+        return None
+
+    def step() -> None:
+        with distributed_rounding(cal.distributed):
+            records = run_awq(cal.prepared, awq, cal.data, max_batches=cal.max_batches)
+        record_rounding(cal, records)
+
+    return step

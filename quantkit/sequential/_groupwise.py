@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from torch.fx import GraphModule
 
-from ._convert import _Converter
-from ._convert_groupwise import emit_groupwise, is_groupwise
-from ._prepare import is_observer_node
+from ..pipeline._convert import _Converter
+from ..pipeline._convert_groupwise import emit_groupwise, is_groupwise
+from ..pipeline._prepare import is_observer_node
 
 __all__ = ["fold_groupwise"]
 

@@ -8,11 +8,11 @@ collect its Hessians and once more, rounded, to hand its outputs on: O(L).
 
 The same functions serve both paths, so that they agree by construction:
 
-- in memory (:func:`run_gptq_blocks`, called by ``_rounding.run_gptq``): the prepared model
+- in memory (:func:`run_gptq_blocks`, called by ``_gptq.run_gptq``): the prepared model
   is partitioned and its rounded stream kept in memory (``None`` when the graph cannot be
   partitioned or its GPTQ groups do not fit the chain: the caller re-runs prefixes instead);
-- block by block from safetensors (:class:`SequentialGPTQ`, called by
-  ``pipeline._sequential``): the rounded stream goes through an ``ActivationCache`` (in
+- block by block from safetensors (``quantkit.sequential._gptq.SequentialGPTQ``, the
+  block-by-block run's ``after_block`` hook): the rounded stream goes through an ``ActivationCache`` (in
   memory within the budget, on disk above it and for resuming).
 
 Within a block, the linears of one GPTQ group (``RoundedLinear.block``: a transformer layer,
@@ -25,19 +25,59 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable
-from pathlib import Path
+from dataclasses import replace
 
 import torch
+import torch.utils._pytree as pytree
+from torch.export._tree_utils import reorder_kwargs
 from torch.fx import GraphModule, Node
 
+from quantkit.observers import HessianObserver
 from quantkit.observers._tokens import token_mask
 
-from ._gptq import GPTQConfig
-from ._rounding import RoundedLinear, _Stop, _StopHere, round_linears, without_observers
+from ..._errors import CalibrationError, CaptureError, QuantkitError
+from ..._graph import get_attr, set_attr
+from ...pipeline._calibrate import _padding_mask
+from ...pipeline._inputs import as_args_kwargs
+from ...pipeline._partition import partition
+from .._gptq import GPTQConfig, gptq_quantize
+from .._wscheme import WeightScheme
+from ._base import RoundedLinear, _Stop, _StopHere, fix_qparams, without_observers
+from ._sync import sync_hessians
 
-__all__ = ["RoundedBlock", "plan_gptq", "round_block", "head_values", "run_gptq_blocks", "SequentialGPTQ"]
+__all__ = ["round_linears", "RoundedBlock", "plan_gptq", "round_block", "head_values", "run_gptq_blocks",
+           "later_inputs"]
 
 Groups = list[tuple[str, list[RoundedLinear]]]
+
+
+def round_linears(lins: list[RoundedLinear], hessians: dict, block: str, config: GPTQConfig,
+                  owners: list[torch.nn.Module]) -> list[dict]:
+    """Round ``lins`` (one GPTQ group) from the input Hessians of their sources (``hessians``,
+    complete: every batch seen); the rounded weight is set on every module of ``owners`` (the
+    first holds the float weights) and the observers' qparams are fixed. Both the block-cached
+    pass (``_gptq_blocks``) and the prefix re-run call it."""
+    # the group's Hessians are complete here, before any weight is rounded: under a process
+    # group, summed across ranks so that every rank rounds identically
+    sync_hessians(hessians)
+    records = []
+    for lin in lins:
+        h = hessians[lin.source]
+        if not h.calibrated:
+            raise CalibrationError(
+                f"no calibration batch reached linear '{lin.node.name}' ({block}); GPTQ needs its inputs: "
+                "pass batches that run that part of the model"
+            )
+        w = get_attr(owners[0], lin.weight)
+        damp = getattr(lin.observer, "gptq_percdamp", None)  # an observer may declare its dampening (FP8)
+        cfg = config if damp is None else replace(config, percdamp=float(damp))
+        res = gptq_quantize(w.detach(), h.hessian, WeightScheme.of(lin.observer), cfg)
+        rounded = res.dequantized.to(w.dtype)
+        for owner in owners:
+            set_attr(owner, lin.weight, rounded)
+        fix_qparams(lin.observer, res.scale, res.zero_point)
+        records.append({"layer": lin.node.name, "block": block, "algorithm": "gptq", "rows": int(h.rows)})
+    return records
 
 
 class RoundedBlock:
@@ -58,8 +98,6 @@ class RoundedBlock:
     def hessians(self, sources: list[Node], n: int, get: Callable[[int], dict], masks: list) -> dict:
         """One pass over the ``n`` cached inputs (``get(i)``), recording the input Hessian of
         each of ``sources`` (nodes of the prepared graph); the pass stops after the last one."""
-        from quantkit.observers import HessianObserver
-
         graph = self.gm.graph
         order = {node: i for i, node in enumerate(graph.nodes)}
         last_placeholder = [node for node in graph.nodes if node.op == "placeholder"][-1]
@@ -135,12 +173,6 @@ def round_block(rb: RoundedBlock, groups: Groups, n: int, get: Callable[[int], d
 
 def head_values(gm: GraphModule, batch) -> dict:
     """The graph's placeholder values for one calibration batch (the head block's inputs)."""
-    import torch.utils._pytree as pytree
-    from torch.export._tree_utils import reorder_kwargs
-
-    from .._errors import QuantkitError
-    from ..pipeline._inputs import as_args_kwargs
-
     args, kwargs = as_args_kwargs(batch)
     in_spec = gm.graph._codegen.pytree_info.in_spec
     leaves, _ = pytree.tree_flatten((args, reorder_kwargs(kwargs, in_spec)))
@@ -151,7 +183,8 @@ def head_values(gm: GraphModule, batch) -> dict:
     return dict(zip(names, leaves))
 
 
-def _later_inputs(blocks: list) -> list[set]:
+def later_inputs(blocks: list) -> list[set]:
+    """For each block, the boundary values a later block reads (what a pass must hand on)."""
     return [set().union(*(b.inputs for b in blocks[i + 1:])) for i in range(len(blocks))]
 
 
@@ -159,10 +192,6 @@ def run_gptq_blocks(prepared: GraphModule, linears: list[RoundedLinear], data: I
                     max_batches: int | None, config: GPTQConfig = GPTQConfig()) -> list[dict] | None:
     """In-memory GPTQ on ``prepared`` with each partition block run once per pass; None (nothing
     done) when the graph has no chain of blocks that holds the GPTQ groups."""
-    from .._errors import CaptureError
-    from ..pipeline._calibrate import _padding_mask
-    from ..pipeline._partition import partition
-
     try:
         blocks = partition(prepared)
     except CaptureError:
@@ -173,7 +202,7 @@ def run_gptq_blocks(prepared: GraphModule, linears: list[RoundedLinear], data: I
     batches = list(data) if max_batches is None else list(itertools.islice(data, max_batches))
     masks = [_padding_mask(b) for b in batches]
     values = [head_values(prepared, b) for b in batches]
-    later = _later_inputs(blocks)
+    later = later_inputs(blocks)
     last = max(plan)
     records: list[dict] = []
     for blk in blocks[:last + 1]:
@@ -185,86 +214,3 @@ def run_gptq_blocks(prepared: GraphModule, linears: list[RoundedLinear], data: I
             with torch.no_grad():
                 values = [{k: x for k, x in {**v, **rb(v)}.items() if k in later[blk.index]} for v in values]
     return records
-
-
-class SequentialGPTQ:
-    """GPTQ inside the block-by-block run: the float stream (the observers' data) is the run's
-    own activation cache; this keeps the rounded stream, which equals the float one until the
-    first block with GPTQ linears, in a second cache under the partial directory."""
-
-    def __init__(self, prepared: GraphModule, blocks: list, batches: list, partial_path: Path,
-                 budget: int | None, config: GPTQConfig = GPTQConfig(), ledger=None) -> None:
-        from ..pipeline._calibrate import _padding_mask
-        from ..pipeline._seq_state import ActivationCache
-        from ._rounding import find_rounded_linears
-
-        linears = [lin for lin in find_rounded_linears(prepared) if lin.algorithm == "gptq"]
-        plan = plan_gptq(blocks, linears)
-        if plan is None:
-            from .._errors import QuantkitError
-
-            raise QuantkitError("GPTQ's layer groups do not follow the model's chain of blocks; "
-                                "quantize this model in memory")
-        self.plan, self.blocks, self.config = plan, blocks, config
-        self.n = len(batches)
-        self.masks = [_padding_mask(b) for b in batches]
-        self.later = _later_inputs(blocks)
-        self.last = max(plan) if plan else -1
-        self.cache = ActivationCache(Path(partial_path) / "gptq", budget, ledger)  # ledger: the partial dir's digests
-        self.diverged = False
-        self.records: list[dict] = []
-
-    @staticmethod
-    def wanted(prepared: GraphModule) -> bool:
-        from ._rounding import pending_algorithms
-
-        return "gptq" in pending_algorithms(prepared)
-
-    def resume(self, done: int, block_file: Callable[[int], Path], observers: dict) -> None:
-        """Continue after block ``done``: the rounded stream it wrote, and the qparams GPTQ fixed."""
-        from safetensors import safe_open
-
-        self.diverged = any(b <= done for b in self.plan)
-        if self.diverged and done < self.last:
-            self.cache.resume(done)
-            for i in range(self.n):
-                self.cache.get(i)
-        for b in range(done + 1):
-            with safe_open(str(block_file(b)), framework="pt") as f:
-                for key in f.keys():
-                    if key.startswith("p:scale:"):
-                        target = key[len("p:scale:"):]
-                        observers[target].set_qparams(f.get_tensor(key), f.get_tensor(f"p:zero_point:{target}"))
-
-    def round(self, block, float_inputs: Callable[[int], dict]) -> dict[str, torch.Tensor]:
-        """After the block's float pass: round its GPTQ linears (weights set on ``block.module``)
-        and hand the rounded stream on; returns the fixed qparams to store with the block."""
-        groups = self.plan.get(block.index)
-        if not groups and (not self.diverged or block.index >= self.last):
-            return {}
-        get = self.cache.get if self.diverged else float_inputs
-        rb = RoundedBlock(block)
-        fixed: dict[str, torch.Tensor] = {}
-        if groups:
-            self.records += round_block(rb, groups, self.n, get, self.masks, config=self.config,
-                                        owners=[block.module])
-            modules = dict(block.module.named_modules())
-            for _, lins in groups:
-                for lin in lins:
-                    target = next(t for t, m in modules.items() if m is lin.observer)
-                    scale, zp = lin.observer.calculate_qparams()
-                    fixed[f"p:scale:{target}"], fixed[f"p:zero_point:{target}"] = scale.detach(), zp.detach()
-        self.diverged = True
-        if block.index < self.last:
-            self.cache.start(block.index)
-            with torch.no_grad():
-                for i in range(self.n):
-                    values = get(i)
-                    keep = {k: x for k, x in {**values, **rb(values)}.items() if k in self.later[block.index]}
-                    self.cache.put(block.index, i, keep)
-        return fixed
-
-    def finish(self, b: int) -> None:
-        """Block ``b`` is committed: its rounded outputs become the next block's inputs."""
-        if self.diverged and b < self.last:
-            self.cache.finish(b)

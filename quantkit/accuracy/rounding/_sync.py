@@ -35,6 +35,10 @@ from typing import Callable, Iterable
 
 import torch
 
+from quantkit.observers._sync import EXCHANGED, abandon, sync_observers
+
+from ...pipeline._distributed import on_all_ranks
+
 __all__ = ["distributed_rounding", "synced_pass", "sync_hessians", "sync_channel_stats", "sync_row_stats"]
 
 _ACTIVE = [False]  # within distributed_rounding(True): the rounding passes sync
@@ -53,8 +57,6 @@ def distributed_rounding(on: bool):
     try:
         yield
     except Exception as exc:
-        from quantkit.observers._sync import EXCHANGED, abandon
-
         if on and not getattr(exc, EXCHANGED, False):
             setattr(exc, EXCHANGED, True)
             abandon()
@@ -73,8 +75,6 @@ def synced_pass(run: Callable[[], int], sync: Callable[[], object], distributed:
     flags, then ``sync()`` reduces the statistics; returns the batch count over all ranks."""
     if not (active() if distributed is None else distributed):
         return run()
-    from ..pipeline._distributed import on_all_ranks
-
     return on_all_ranks(run, sync)
 
 
@@ -82,8 +82,6 @@ def sync_hessians(hessians: dict) -> None:
     """Sum a GPTQ group's Hessian observers across ranks (within :func:`distributed_rounding`);
     called where the group's Hessians are complete, before any weight is rounded."""
     if active():
-        from quantkit.observers._sync import sync_observers
-
         sync_observers([(f"hessian of '{src.name}'", h) for src, h in hessians.items()])
 
 
@@ -108,8 +106,6 @@ def _channels(*tensors) -> int:
 
 def sync_channel_stats(stats: list) -> None:
     """SmoothQuant's per-group ``_ChannelStats`` (min, max, sampled rows) across ranks."""
-    from quantkit.observers._sync import sync_observers
-
     carriers = []
     for i, st in enumerate(stats):
         c = _channels(st.min, *st.rows)
@@ -128,8 +124,6 @@ def sync_channel_stats(stats: list) -> None:
 def sync_row_stats(stats: Iterable) -> None:
     """AWQ's per-group ``_RowStats`` (per-batch |x| sums, row count, sampled rows) across ranks;
     the total |x| is summed again batch after batch in rank order, as one process does."""
-    from quantkit.observers._sync import sync_observers
-
     stats = list(stats)
     carriers = []
     for i, st in enumerate(stats):

@@ -33,7 +33,7 @@ import torch
 
 from .._errors import QuantkitError
 from .._fsutil import CLOEXEC as _CLOEXEC, NOFOLLOW as _NOFOLLOW, lock_dir, unlock
-from ._seq_files import RESTART as _RESTART, Ledger, damaged as _damaged
+from ._files import RESTART as _RESTART, Ledger, damaged as _damaged
 
 __all__ = ["PartialDir", "ActivationCache", "STATE_VERSION", "MARKER"]
 

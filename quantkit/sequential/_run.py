@@ -8,7 +8,7 @@ The sequential path never holds the float model:
 3. for each block: load its weights from the safetensors checkpoint (only its tensors),
    run it on every calibration batch's cached inputs (observers record ranges), quantize
    its weights, write them to the partial directory, drop the float weights, and keep the
-   block's outputs as the next block's inputs (``_seq_state``);
+   block's outputs as the next block's inputs (``sequential._state``);
 4. convert the whole prepared graph with the weights still absent (qparams come from the
    calibrated observers), put the int8 weights in place of the quantize ops, and write the
    artifact with the weights streamed from the partial directory (``export._streamed``).
@@ -33,20 +33,29 @@ from torch.fx import GraphModule
 
 from quantkit.observers import QuantkitObserver
 from quantkit.observers._tokens import token_mask
+from quantkit.quantizers import W8A8Quantizer
 
 from .._errors import QuantkitError
-from ._calibrate import _padding_mask
-from ._convert import (FOLDED_PREFIX, QPARAMS_META_KEY, QUANTIZE_OPS, _SUPPORTED, _constant_value, _is_calibrated,
-                       _remove_unused_attributes, convert_in_place)
-from ._convert_fp8 import is_float8_observer
-from ._convert_groupwise import is_groupwise
-from ._budget import CACHE_SHARE, IN_MEMORY_FACTOR, bound_heap, plan_memory
-from ._meta_capture import CheckpointIndex, capture_without_weights, empty_model, index_checkpoint
-from ._partition import Block, partition, run_block
-from ._prepare import is_observer_node, prepare_in_place
-from ._seq_files import digest_of, model_files_fingerprint
-from ._seq_state import ActivationCache, PartialDir
+from .. import _hf
+from .._graph import get_attr, set_attr, unique_attr_name
 from .._qmath import is_per_channel, underlying_dtype
+from ..accuracy.rounding._gptq_blocks import head_values
+from ..export import _artifact, _streamed
+from ..pipeline import _api
+from ..pipeline._calibrate import _padding_mask
+from ..pipeline._convert import (FOLDED_PREFIX, QPARAMS_META_KEY, QUANTIZE_OPS, _SUPPORTED, _constant_value, _is_calibrated,
+                                 _remove_unused_attributes, convert_in_place)
+from ..pipeline._convert_fp8 import is_float8_observer
+from ..pipeline._convert_groupwise import is_groupwise
+from ..pipeline._hooks import BlockRun, calibration_hooks
+from ..pipeline._meta_capture import CheckpointIndex, capture_without_weights, empty_model, index_checkpoint
+from ..pipeline._partition import Block, partition, run_block
+from ..pipeline._prepare import is_observer_node, prepare_in_place
+from . import _gptq  # noqa: F401  (registers GPTQ's after_block hook)
+from ._budget import CACHE_SHARE, IN_MEMORY_FACTOR, bound_heap, plan_memory
+from ._files import digest_of, model_files_fingerprint
+from ._groupwise import fold_groupwise
+from ._state import ActivationCache, PartialDir
 
 __all__ = ["quantize_pretrained", "parse_size", "IN_MEMORY_FACTOR"]
 
@@ -113,7 +122,7 @@ def quantize_pretrained(model_dir: str | os.PathLike, calib_data: Iterable, quan
     """Quantize the Hugging Face checkpoint in ``model_dir``, block by block when it does not fit.
 
     With ``max_memory`` smaller than the in-memory path needs (measured from the checkpoint's
-    tensor shapes and the batches' sizes: :func:`quantkit.pipeline._budget.plan_memory`, the
+    tensor shapes and the batches' sizes: :func:`quantkit.sequential._budget.plan_memory`, the
     same plan as the CLI's), or ``sequential=True``, the model is calibrated one repeated
     unit (transformer layer) at a time with its weights read from the safetensors checkpoint,
     and only that block's float weights are ever in memory. Otherwise it is loaded and
@@ -154,20 +163,14 @@ def quantize_pretrained(model_dir: str | os.PathLike, calib_data: Iterable, quan
     Example:
         >>> quantkit.quantize_pretrained("llama-7b", batches, max_memory="4GiB", out="llama-int8")
     """
-    from .._hf import check_hf_dir
-
     model_dir = Path(model_dir)
-    check_hf_dir(model_dir)
+    _hf.check_hf_dir(model_dir)
     budget = parse_size(max_memory) if max_memory is not None else None
     batches = _batches(calib_data)
     if quantizer is None:
-        from quantkit.quantizers import W8A8Quantizer
-
         quantizer = W8A8Quantizer()
     if out is not None:
-        from ..export._artifact import check_out_dir
-
-        check_out_dir(out, overwrite=overwrite)
+        _artifact.check_out_dir(out, overwrite=overwrite)
     if dynamic_shapes is None:
         dynamic_shapes = _default_dynamic_shapes(batches)
     if sequential is None:
@@ -201,27 +204,19 @@ def _default_dynamic_shapes(batches: list):
         return None
     if len({m.shape[1] for m in masks}) == 1:
         return None
-    from .._hf import dynamic_shapes
-
-    return dynamic_shapes(batches[0])
+    return _hf.dynamic_shapes(batches[0])
 
 
 def _in_memory(model_dir, batches, quantizer, out, overwrite, task, progress, recipe, dynamic_shapes, source):
-    from .._hf import load_hf_checkpoint
-    from ._api import quantize
-
-    model, _, _ = load_hf_checkpoint(model_dir, task=task, progress=progress)
-    qmodel = quantize(model, batches[0], batches, quantizer, progress=progress, dynamic_shapes=dynamic_shapes)
+    model, _, _ = _hf.load_hf_checkpoint(model_dir, task=task, progress=progress)
+    qmodel = _api.quantize(model, batches[0], batches, quantizer, progress=progress, dynamic_shapes=dynamic_shapes)
     if out is None:
         return qmodel
-    from ..export._artifact import RECIPE_FILE, atomic_dir, recipe_document, write_json, write_program, \
-        export_converted
-
-    program = export_converted(qmodel)
-    with atomic_dir(out, overwrite=overwrite) as tmp:
-        write_program(program, tmp)
-        write_json(tmp / RECIPE_FILE, recipe_document(qmodel, recipe=recipe,
-                                                                  source=source or {"model": str(model_dir)}))
+    program = _artifact.export_converted(qmodel)
+    with _artifact.atomic_dir(out, overwrite=overwrite) as tmp:
+        _artifact.write_program(program, tmp)
+        _artifact.write_json(tmp / _artifact.RECIPE_FILE, _artifact.recipe_document(
+            qmodel, recipe=recipe, source=source or {"model": str(model_dir)}))
     return Path(out)
 
 
@@ -263,24 +258,6 @@ def _checkpoint_sources(model: torch.nn.Module, index: CheckpointIndex) -> dict[
         for name in names:
             sources[name] = found
     return sources
-
-
-def _set_attr(module: torch.nn.Module, target: str, value: torch.Tensor) -> None:
-    *path, attr = target.split(".")
-    owner = module.get_submodule(".".join(path)) if path else module
-    if attr in owner._parameters:
-        owner._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
-    elif attr in owner._buffers:
-        owner._buffers[attr] = value
-    else:
-        setattr(owner, attr, value)
-
-
-def _get_attr(module: torch.nn.Module, target: str):
-    obj = module
-    for atom in target.split("."):
-        obj = getattr(obj, atom)
-    return obj
 
 
 def _is_fake(t) -> bool:
@@ -342,10 +319,10 @@ def _check_weight_observers(prepared: GraphModule) -> None:
             continue
         where = getattr(obs, "node_name", node.name)
         algorithm = getattr(obs, "weight_algorithm", "rtn") or "rtn"
-        if algorithm not in ("rtn", "gptq"):  # GPTQ: accuracy._gptq_blocks.SequentialGPTQ
+        if algorithm not in ("rtn", "gptq"):  # GPTQ: sequential._gptq.SequentialGPTQ
             raise QuantkitError(f"weight_algorithm={algorithm!r} (weight at {where!r}) is not supported block by "
                                 "block yet; use 'rtn' or 'gptq', or quantize in memory")
-        if not _folds(obs) and not is_groupwise(obs):  # group-wise: _seq_groupwise
+        if not _folds(obs) and not is_groupwise(obs):  # group-wise: sequential._groupwise
             kind = str(getattr(obs, "dtype", "")).replace("torch.", "")
             raise QuantkitError(f"the weight at {where!r} is quantized by {type(obs).__name__} ({kind}), which "
                                 "block-by-block quantization does not support (int8/uint8 weights of quantkit's "
@@ -396,7 +373,7 @@ class _Run:
 
     def _fingerprint(self, index: CheckpointIndex) -> dict:
         """What a resumed run must share with the partial one: config.json, the tokenizer files and
-        the checkpoint files (digests; sampled for files over 1 GiB, see ``_seq_files.file_digest``),
+        the checkpoint files (digests; sampled for files over 1 GiB, see ``_files.file_digest``),
         the recipe, the task, the calibration data, and the quantkit and torch versions."""
         return {**model_files_fingerprint(self.model_dir, {f for f, _, _ in index.entries.values()}),
                 "recipe": self.recipe or _recipe_of(self.quantizer), "task": self.task,
@@ -407,10 +384,9 @@ class _Run:
 
         act_budget = None if self.budget is None else int(self.budget * CACHE_SHARE)  # _budget.plan_memory
         cache = ActivationCache(partial.path, act_budget, partial.ledger)
-        from ..accuracy._gptq_blocks import SequentialGPTQ  # the rounded stream, when weights ask for GPTQ
-
-        gptq = SequentialGPTQ(self.prepared, self.blocks, self.batches, partial.path, act_budget,
-                              ledger=partial.ledger) if SequentialGPTQ.wanted(self.prepared) else None
+        # the after_block hooks that apply (GPTQ's rounded stream, when weights ask for GPTQ: _gptq)
+        run = BlockRun(self.prepared, self.blocks, self.batches, partial.path, act_budget, partial.ledger)
+        hooks = [h for h in (hook(run) for _, hook in calibration_hooks("after_block")) if h is not None]
         later_inputs = [set().union(*(b.inputs for b in self.blocks[i + 1:])) for i in range(len(self.blocks))]
         if done >= 0:
             try:  # every file was checked against its digest by partial.open, and is again as it is read
@@ -418,8 +394,8 @@ class _Run:
                 cache.resume(done)
                 for i in range(len(self.batches) if done < len(self.blocks) - 1 else 0):  # the tail hands nothing on
                     cache.get(i)
-                if gptq is not None:
-                    gptq.resume(done, partial.block_file, self.observers)
+                for h in hooks:
+                    h.resume(done, partial.block_file, self.observers)
             except QuantkitError:  # names the damaged file
                 raise
             except Exception as exc:  # foreign contents under a recorded digest: a one-line error, never a traceback
@@ -443,23 +419,23 @@ class _Run:
                         bar.update(1)
             finally:
                 bar.close()
-            fixed = {} if gptq is None else gptq.round(
-                block, lambda i: self._head_values(self.batches[i]) if block.index == 0 else cache.get(i))
+            fixed: dict[str, torch.Tensor] = {}
+            for h in hooks:
+                fixed.update(h.round(block, lambda i: self._head_values(self.batches[i]) if block.index == 0
+                                     else cache.get(i)))
             weights = {**self._quantize_weights(block), **fixed}
             used = {str(n.target) for n in block.module.graph.nodes if n.op == "call_module"}
             partial.commit_block(block.index, weights, {k: v for k, v in self.observers.items() if k in used})
             partial.mark_done(block.index)
             cache.finish(block.index)
-            if gptq is not None:
-                gptq.finish(block.index)
+            for h in hooks:
+                h.finish(block.index)
             del weights, values, produced, keep  # the float weights are gone once nothing holds them
             self._unload_weights(block)
             if kill_after is not None and int(kill_after) == block.index:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def _head_values(self, batch) -> dict:
-        from ..accuracy._gptq_blocks import head_values
-
         return head_values(self.prepared, batch)
 
     def _load_weights(self, block: Block) -> None:
@@ -473,16 +449,16 @@ class _Run:
         for file, targets in by_file.items():
             with safe_open(str(self.model_dir / file), framework="pt") as f:
                 for target in targets:
-                    fake = _get_attr(self.prepared, target)
+                    fake = get_attr(self.prepared, target)
                     t = f.get_tensor(self.sources[target])
                     if t.dtype != fake.dtype:
                         t = t.to(fake.dtype)
-                    _set_attr(block.module, target, t)
+                    set_attr(block.module, target, t, detach=False)
 
     def _unload_weights(self, block: Block) -> None:
         for target in block.attributes:
             if target in self.sources:
-                _set_attr(block.module, target, _get_attr(self.prepared, target))
+                set_attr(block.module, target, get_attr(self.prepared, target), detach=False)
 
     def _quantize_weights(self, block: Block) -> dict[str, torch.Tensor]:
         """``q:<node>`` int8 weights of the block's folded observers and ``f:<attribute>`` for
@@ -511,7 +487,7 @@ class _Run:
             if all(u in folded_inputs or (is_observer_node(u, modules) and u.args[0] in folded_inputs)
                    for u in node.users) and node.users:
                 continue
-            out[f"f:{node.target}"] = _get_attr(gm, str(node.target)).detach()
+            out[f"f:{node.target}"] = get_attr(gm, str(node.target)).detach()
         return out
 
     def _finish(self, partial: PartialDir):
@@ -525,7 +501,6 @@ class _Run:
                 for key in f.keys():
                     sl = f.get_slice(key)
                     stored[key] = (path, tuple(sl.get_shape()), sl.get_dtype())
-        from ._seq_groupwise import fold_groupwise  # weight-only group-wise observers, one weight at a time
 
         groupwise = fold_groupwise(self.prepared, stored)
         converted = convert_in_place(self.prepared, fold_quantize=False)
@@ -540,10 +515,7 @@ class _Run:
             if key not in stored:
                 continue
             path, shape, _ = stored[key]
-            i = 0
-            while hasattr(converted, f"{FOLDED_PREFIX}{i}"):
-                i += 1
-            name = f"{FOLDED_PREFIX}{i}"
+            name = unique_attr_name(converted, FOLDED_PREFIX)
             with mode:
                 converted.register_buffer(name, torch.empty(shape, dtype=node.args[-1]))
             with graph.inserting_before(node):
@@ -559,10 +531,9 @@ class _Run:
                 if f"f:{name}" not in stored:
                     raise QuantkitError(f"internal: no stored value for {name!r}")
                 streamed[name] = (stored[f"f:{name}"][0], f"f:{name}")
-        from ..export._streamed import load_streamed, write_streamed_artifact
 
         if self.out is None:
-            return load_streamed(converted, streamed)
-        write_streamed_artifact(converted, streamed, self.out, overwrite=self.overwrite, recipe=self.recipe,
-                                source=self.source or {"model": str(self.model_dir)})
+            return _streamed.load_streamed(converted, streamed)
+        _streamed.write_streamed_artifact(converted, streamed, self.out, overwrite=self.overwrite, recipe=self.recipe,
+                                          source=self.source or {"model": str(self.model_dir)})
         return Path(self.out)
