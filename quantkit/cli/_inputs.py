@@ -20,7 +20,7 @@ import torch
 
 from .. import _hf
 from .._errors import QuantkitError
-from ..pipeline._seq_state import PartialDir
+from ..sequential._state import PartialDir
 
 __all__ = [
     "UsageError", "ModelSpec", "is_factory_name", "LoadedModel", "parse_example_input", "load_model",

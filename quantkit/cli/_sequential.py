@@ -6,7 +6,7 @@ calibrated one repeated unit at a time with its weights streamed from safetensor
 artifact is not evaluated against it (``quantkit eval DIR`` does that where it fits).
 
 With ``--max-memory`` the choice between the paths is made from the checkpoint's measured
-sizes (:func:`quantkit.pipeline._budget.plan_memory`) and said in one line (unless
+sizes (:func:`quantkit.sequential._budget.plan_memory`) and said in one line (unless
 ``--quiet``); block by block, the calibration batches are made small enough for the budget.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .. import _hf
 from .._errors import QuantkitError
-from ..pipeline._budget import MemoryPlan, bound_heap, plan_memory
+from ..sequential._budget import MemoryPlan, bound_heap, plan_memory
 from . import _data as datasets, _inputs as inputs
 
 __all__ = ["wanted", "run_sequential", "memory_plan"]
@@ -25,7 +25,7 @@ __all__ = ["wanted", "run_sequential", "memory_plan"]
 def _budget(args) -> int | None:
     if getattr(args, "max_memory", None) is None:
         return None
-    from ..pipeline._sequential import parse_size
+    from ..sequential._run import parse_size
 
     try:
         return parse_size(args.max_memory)
@@ -87,7 +87,7 @@ def _check_flags(args) -> None:
 def run_sequential(args, recipe, spec: inputs.ModelSpec, data, out: Path, say) -> int:
     """Quantize block by block and write ``out`` (model.pt2 + quantization.json, atomically)."""
     from ..pipeline._meta_capture import empty_model
-    from ..pipeline._sequential import quantize_pretrained
+    from ..sequential._run import quantize_pretrained
 
     _check_flags(args)
     path = _model_dir(spec)
