@@ -35,9 +35,10 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
+from .._errors import QuantkitError
 from .._fsutil import HAS_FLOCK, lock_dir, unlock
 
-__all__ = ["atomic_dir", "recover", "Terminated", "sigterm_as_interrupt", "exchange"]
+__all__ = ["atomic_dir", "recover", "existing_entries", "Terminated", "sigterm_as_interrupt", "exchange"]
 
 _LEFTOVER = re.compile(r"\.(?P<name>.+)\.quantkit-(?P<kind>tmp|old|new)-(?P<pid>[0-9]+)-(?P<lk>lk)?[0-9a-f]+\Z")
 _AT_FDCWD = -100  # <fcntl.h>
@@ -153,6 +154,27 @@ def recover(path: str | os.PathLike) -> None:
             leftovers = [(k, d) for k, d in leftovers if d != backups[0]]
         for _, d in leftovers:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def existing_entries(path: str | os.PathLike, *, overwrite: bool, flag: str = "overwrite=True",
+                     exists_error: type[QuantkitError] = QuantkitError) -> list[str]:
+    """The entries (sorted names) of the output directory ``path`` that a write would replace: ``[]`` when
+    it is absent or empty. First cleans up after a killed writer of ``path`` (:func:`recover`); the
+    caller checks that the entries are its own.
+
+    Raises:
+        QuantkitError: ``path`` is a file or a link; ``exists_error``: it exists and ``overwrite`` is
+            False (the message names ``flag``, the way to replace it).
+    """
+    path = Path(path)
+    recover(path)
+    if not (path.exists() or path.is_symlink()):
+        return []
+    if not path.is_dir() or path.is_symlink():
+        raise QuantkitError(f"output {str(path)!r} exists and is not a directory; choose another output path")
+    if not overwrite:
+        raise exists_error(f"output directory {str(path)!r} already exists; pass {flag} to replace it")
+    return sorted(os.listdir(path))
 
 
 def _renameat2():

@@ -25,6 +25,7 @@ import math
 import os
 import shutil
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -33,6 +34,7 @@ from torch.fx import GraphModule
 
 from .. import _hf
 from .._errors import QuantkitError
+from .._graph import type_name
 from ..pipeline._inputs import call_model
 from . import _atomic
 from ._ct_plan import ActQuant, Plan, float_value, read_graph, recorded_modules
@@ -139,14 +141,7 @@ def check_out_dir(path: str | os.PathLike, *, overwrite: bool, flag: str = "over
     """Check that ``path`` may be written: absent, empty, or (with ``overwrite``) a previous
     export holding only the files it recorded in ``quantkit_export.json``."""
     path = Path(path)
-    _atomic.recover(path)
-    if not (path.exists() or path.is_symlink()):
-        return path
-    if not path.is_dir() or path.is_symlink():
-        raise QuantkitError(f"output {str(path)!r} exists and is not a directory; choose another output path")
-    if not overwrite:
-        raise exists_error(f"output directory {str(path)!r} already exists; pass {flag} to replace it")
-    entries = sorted(os.listdir(path))
+    entries = _atomic.existing_entries(path, overwrite=overwrite, flag=flag, exists_error=exists_error)
     if not entries:
         return path
     try:
@@ -170,7 +165,7 @@ def _captured_class(qmodel: GraphModule):
     for node in qmodel.graph.nodes:
         for fqn, t in (node.meta.get("nn_module_stack") or {}).values():
             if str(fqn) in ("", "L['self']", "L__self__"):
-                name = t if isinstance(t, str) else f"{t.__module__}.{t.__qualname__}"
+                name = type_name(t)
                 cls = getattr(transformers, name.rsplit(".", 1)[-1], None)
                 if name.startswith("transformers.") and isinstance(cls, type) \
                         and issubclass(cls, transformers.PreTrainedModel):
@@ -462,9 +457,11 @@ def _default_inputs(qmodel: GraphModule) -> list:
 def _versions(ct_version: str) -> dict:
     import transformers
 
-    from .. import __version__
-
-    return {"quantkit": __version__, "compressed_tensors": ct_version, "transformers": transformers.__version__,
+    try:  # the installed distribution's version (quantkit.__version__ is the same; the façade is not imported here)
+        quantkit = metadata.version("quantkit")
+    except metadata.PackageNotFoundError:  # a source tree on sys.path
+        quantkit = "unknown"
+    return {"quantkit": quantkit, "compressed_tensors": ct_version, "transformers": transformers.__version__,
             "torch": torch.__version__}
 
 
