@@ -207,6 +207,43 @@ class Plan:
     kv: dict[str, schemes.KVCache] = field(default_factory=dict)
 
 
+def _int8_weight(gm: GraphModule, dq: Node) -> WeightQuant:
+    q = get_attr(gm, dq.args[0].target)
+    if dq.target == _QD.dequantize_per_channel.default:
+        scale, zp = (get_attr(gm, a.target) if isinstance(a, Node) else a for a in dq.args[1:3])
+        axis, qmin, qmax = dq.args[3], dq.args[4], dq.args[5]
+        return WeightQuant(q, torch.as_tensor(scale), torch.as_tensor(zp), int(axis), int(qmin), int(qmax))
+    scale, zp, qmin, qmax = (get_attr(gm, a.target) if isinstance(a, Node) else a for a in dq.args[1:5])
+    return WeightQuant(q, torch.as_tensor(scale, dtype=torch.float32).reshape(1),
+                       torch.as_tensor(zp).reshape(1), None, int(qmin), int(qmax))
+
+
+def _int8_act(dq: Node) -> ActQuant:
+    if dq.target in _STATIC_DQ:
+        scale, zp, qmin, qmax, dtype = dq.args[1:6]
+        return ActQuant("static", dtype, int(qmin), int(qmax), float(scale), int(zp))
+    if dq.target in _TOKEN_DQ:
+        qmin, qmax, dtype = dq.args[3:6]
+        return ActQuant("dynamic-token", dtype, int(qmin), int(qmax))
+    if dq.target in _DYNAMIC_DQ:
+        qmin, qmax, dtype = dq.args[3:6]
+        return ActQuant("dynamic-tensor", dtype, int(qmin), int(qmax))
+    raise AssertionError(f"unhandled activation dequantize {dq.target}")  # _ACT_DQ are all above
+
+
+@schemes.register_reader(*DEQUANTIZE_OPS)
+def _read_int8(gm: GraphModule, dq: Node) -> tuple[str, object]:
+    """W8A8 int8: a folded weight, a quantized activation, or what the format cannot store."""
+    src = dq.args[0]
+    if isinstance(src, Node) and src.op == "get_attr":
+        return schemes.WEIGHT, _int8_weight(gm, dq)
+    if isinstance(src, Node) and src.target in QUANTIZE_OPS and dq.target in _ACT_DQ:
+        return schemes.ACT, _int8_act(dq)
+    if isinstance(src, Node) and src.target in QUANTIZE_OPS:
+        return schemes.UNKNOWN, "per-channel activation quantization"
+    return schemes.UNKNOWN, "a dequantize of a computed value"
+
+
 def _module(node: Node) -> str:
     scopes = module_scopes(node)
     return scopes[-1][0] if scopes else ""
@@ -242,63 +279,20 @@ class _Reader:
 
     # --- what each dequantize holds -------------------------------------------------------
     def classify(self) -> None:
+        """Sort every dequantize by what its registered reader says it holds (``_ct_schemes.register_reader``)."""
+        by_role = {schemes.WEIGHT: self.weight_dq, schemes.ACT: self.act_dq, schemes.UNKNOWN: self.unknown_dq}
         for node in self.gm.graph.nodes:
             if node.op != "call_function":
                 continue
-            if node.target in DEQUANTIZE_OPS:
-                src = node.args[0]
-                if isinstance(src, Node) and src.op == "get_attr":
-                    self.weight_dq[node] = self._weight(node)
-                elif isinstance(src, Node) and src.target in QUANTIZE_OPS and node.target in _ACT_DQ:
-                    self.act_dq[node] = self._act(node)
-                elif isinstance(src, Node) and src.target in QUANTIZE_OPS:
-                    self.unknown_dq[node] = "per-channel activation quantization"
-                else:
-                    self.unknown_dq[node] = "a dequantize of a computed value"
-            elif node.target in FLOAT8_DEQUANTIZE_OPS:
-                w = schemes.read_float8_weight(self.gm, node)
-                a = None if w is not None else schemes.read_float8_act(self.gm, node)
-                if w is not None:
-                    self.weight_dq[node] = w
-                elif a is not None:
-                    self.act_dq[node] = a
-                else:
-                    self.unknown_dq[node] = "an FP8 dequantize of a computed value"
-            elif node.target == _QD.dequantize_per_channel_group.default:
-                w = schemes.read_group_weight(self.gm, node)
-                if w is not None:
-                    self.weight_dq[node] = w
-                else:
-                    self.unknown_dq[node] = "group-wise quantization of a computed value"
-            elif node.target == torch.ops.quantkit.dequantize_nf4.default:
-                self.unknown_dq[node] = ("NF4 weights", schemes.HINT_NF4)
+            read = schemes.reader_for(node.target)
+            if read is not None:
+                role, value = read(self.gm, node)
+                by_role[role][node] = value
             elif "dequantize" in str(node.target) or "dequant" in getattr(node.target, "__name__", ""):
                 # quantization representations the export does not read yet (group-wise, int4, ...)
                 name = str(node.target)
                 self.unknown_dq[node] = ("FP8 (float8) quantization" if "float8" in name else
                                          f"quantization by {name.split('.')[-2] if '.' in name else name}")
-
-    def _weight(self, dq: Node) -> WeightQuant:
-        q = get_attr(self.gm, dq.args[0].target)
-        if dq.target == _QD.dequantize_per_channel.default:
-            scale, zp = (get_attr(self.gm, a.target) if isinstance(a, Node) else a for a in dq.args[1:3])
-            axis, qmin, qmax = dq.args[3], dq.args[4], dq.args[5]
-            return WeightQuant(q, torch.as_tensor(scale), torch.as_tensor(zp), int(axis), int(qmin), int(qmax))
-        scale, zp, qmin, qmax = (get_attr(self.gm, a.target) if isinstance(a, Node) else a for a in dq.args[1:5])
-        return WeightQuant(q, torch.as_tensor(scale, dtype=torch.float32).reshape(1),
-                           torch.as_tensor(zp).reshape(1), None, int(qmin), int(qmax))
-
-    def _act(self, dq: Node) -> ActQuant:
-        if dq.target in _STATIC_DQ:
-            scale, zp, qmin, qmax, dtype = dq.args[1:6]
-            return ActQuant("static", dtype, int(qmin), int(qmax), float(scale), int(zp))
-        if dq.target in _TOKEN_DQ:
-            qmin, qmax, dtype = dq.args[3:6]
-            return ActQuant("dynamic-token", dtype, int(qmin), int(qmax))
-        if dq.target in _DYNAMIC_DQ:
-            qmin, qmax, dtype = dq.args[3:6]
-            return ActQuant("dynamic-tensor", dtype, int(qmin), int(qmax))
-        raise AssertionError(f"unhandled activation dequantize {dq.target}")  # DEQUANTIZE_OPS are all above
 
     # --- consumers ------------------------------------------------------------------------
     def _hf_weight(self, module: str, shape) -> str | None:

@@ -17,6 +17,10 @@ quantkit's own, never re-quantized:
 - KV cache: per-tensor (or per-KV-head) static scales of the key and value inputs of each
   attention, stored as ``<attention>.k_scale`` / ``v_scale``.
 
+What each dequantize op of the converted graph holds is said by the reader registered for that op
+(:func:`register_reader`): FP8, group-wise and NF4 register theirs here, W8A8 int8 in ``_ct_plan``. A
+scheme that converts to a new dequantize op adds its reader from its own file.
+
 compressed-tensors is imported only inside functions (it is an optional extra).
 """
 
@@ -25,16 +29,21 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.fx import GraphModule, Node
 
 from .._graph import get_attr
+# importing pipeline._convert registers quantkit's group-wise ops (quantkit::dequantize_nf4) read below
+from ..pipeline._convert import DEQUANTIZE_OPS  # noqa: F401
+from ..pipeline._convert_fp8 import FLOAT8_DEQUANTIZE_OPS
 from .._qmath import FLOAT8_DTYPES, dequantize_float8, float8_max, quantize_float8
 
 __all__ = ["quant_args", "Float8Weight", "GroupWeight", "Float8Act", "KVCache", "read_float8_weight",
            "read_float8_act", "read_group_weight", "group_weights_strategy", "pair_problem", "quantization_config", "layer_tensors",
-           "HINT_NF4", "HINT_SCHEMES", "kv_attention", "is_float8", "FORMAT_INT", "FORMAT_FLOAT", "FORMAT_PACK"]
+           "HINT_NF4", "HINT_SCHEMES", "kv_attention", "is_float8", "FORMAT_INT", "FORMAT_FLOAT", "FORMAT_PACK",
+           "register_reader", "reader_for", "WEIGHT", "ACT", "UNKNOWN"]
 
 _AO = torch.ops.torchao
 _QD = torch.ops.quantized_decomposed
@@ -45,6 +54,32 @@ HINT_SCHEMES = "quantkit's compressed-tensors export writes W8A8 int8, FP8 (E4M3
 HINT_NF4 = "compressed-tensors has no NF4 scheme (its 4-bit weight formats are int4, NVFP4 and MXFP4): quantize " \
            "with --scheme w4a16 (WeightOnlyQuantizer(bits=4, scheme='int4'))"
 _HINT_E4M3 = "compressed-tensors' 8-bit float is E4M3: use float8_e4m3fn (FP8Quantizer's default)"
+
+
+# --- readers: what one dequantize op of the converted graph holds --------------------------
+# A reader is ``fn(gm, dequantize node) -> (role, value)``: (WEIGHT, a weight), (ACT, an input's
+# quantization) or (UNKNOWN, what the format cannot store: a message, or (message, hint)).
+WEIGHT, ACT, UNKNOWN = "weight", "act", "unknown"
+Reader = Callable[[GraphModule, Node], tuple[str, object]]
+_READERS: dict[object, Reader] = {}
+
+
+def register_reader(*ops) -> Callable[[Reader], Reader]:
+    """Register the decorated function as the reader of the dequantize ``ops`` (OpOverloads)."""
+    def decorator(fn: Reader) -> Reader:
+        for op in ops:
+            if _READERS.get(op, fn) is not fn:
+                raise ValueError(f"a compressed-tensors reader for {op} is already registered "
+                                 f"({_READERS[op].__module__}.{_READERS[op].__qualname__})")
+            _READERS[op] = fn
+        return fn
+
+    return decorator
+
+
+def reader_for(op) -> Reader | None:
+    """The reader registered for the dequantize op ``op``, or None."""
+    return _READERS.get(op)
 
 
 def quant_args(*, num_bits: int, type: str, symmetric: bool, strategy: str, dynamic: bool = False,
@@ -184,6 +219,17 @@ def read_float8_act(gm: GraphModule, dq: Node) -> Float8Act | None:
     return None
 
 
+@register_reader(*FLOAT8_DEQUANTIZE_OPS)
+def _read_float8(gm: GraphModule, dq: Node) -> tuple[str, object]:
+    w = read_float8_weight(gm, dq)
+    if w is not None:
+        return WEIGHT, w
+    a = read_float8_act(gm, dq)
+    if a is not None:
+        return ACT, a
+    return UNKNOWN, "an FP8 dequantize of a computed value"
+
+
 # --- group-wise int4 / int8 weight-only ---------------------------------------------------
 
 @dataclass(frozen=True)
@@ -285,6 +331,17 @@ def read_group_weight(gm: GraphModule, dq: Node) -> GroupWeight | None:
         return None
     qmin, qmax, dtype, g = dq.args[3:7]
     return GroupWeight(q, scale.detach().float(), zp.detach(), int(qmin), int(qmax), dtype, int(g))
+
+
+@register_reader(_QD.dequantize_per_channel_group.default)
+def _read_group(gm: GraphModule, dq: Node) -> tuple[str, object]:
+    w = read_group_weight(gm, dq)
+    return (WEIGHT, w) if w is not None else (UNKNOWN, "group-wise quantization of a computed value")
+
+
+@register_reader(torch.ops.quantkit.dequantize_nf4.default)
+def _read_nf4(gm: GraphModule, dq: Node) -> tuple[str, object]:
+    return UNKNOWN, ("NF4 weights", HINT_NF4)
 
 
 # --- pairs, KV cache, config --------------------------------------------------------------
