@@ -9,6 +9,8 @@ import torch
 
 from quantkit.observers import get as get_observer
 
+from ._scheme import SchemeConfig, register_scheme
+
 __all__ = ["ActivationScheme", "Granularity", "QuantConfig", "QUANTIZABLE_OPS", "parse_choice"]
 
 # op families W8A8Quantizer knows; "add" (residual adds) is off by default
@@ -70,7 +72,7 @@ class Granularity(str, Enum):
 
 
 @dataclass(frozen=True)
-class QuantConfig:
+class QuantConfig(SchemeConfig):
     """Static (or dynamic) W8A8 quantization settings.
 
     Args:
@@ -99,9 +101,14 @@ class QuantConfig:
         qat: annotate with fake-quantize modules (``quantkit.observers.FakeQuantize``) instead of
             observers, for torchao's ``prepare_qat_pt2e``; ``quantkit.prepare_qat`` needs no flag.
 
+    ``quantizer()`` is ``W8A8Quantizer(self)``; the presets ``w8a8``, ``w8a8-dynamic`` and
+    ``w8a8-per-token`` are registered below (``quantkit.quantizers.get_scheme``).
+
     Example:
         >>> QuantConfig(act_observer="moving_average_minmax", ops=frozenset({"linear"}))
     """
+
+    VERSION = 1
 
     activation: ActivationScheme | str | None = None
     act_observer: str = "minmax"
@@ -151,3 +158,11 @@ class QuantConfig:
             raise ValueError(f"unknown weight_algorithm {self.weight_algorithm!r}; use 'rtn', 'gptq' or 'awq'")
         get_observer(self.act_observer)  # raises ValueError naming the known observers
         get_observer(self.weight_observer)
+
+
+register_scheme("w8a8", QuantConfig(),
+                description="static int8 weights per channel, uint8 activations per tensor (calibrated)")
+register_scheme("w8a8-dynamic", QuantConfig(dynamic=True),
+                description="int8 weights, int8 activations quantized per batch at run time")
+register_scheme("w8a8-per-token", QuantConfig(dynamic=True, granularity="per-token"),
+                description="int8 weights, int8 activations quantized per token at run time")

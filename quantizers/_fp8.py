@@ -17,6 +17,7 @@ from quantkit.observers._declared import declaring
 from quantkit.observers._fp8 import Float8DynamicObserver, check_float8_method, float8_observer, kv_cache_observer
 
 from ._config import QUANTIZABLE_OPS, Granularity, parse_choice
+from ._scheme import SchemeConfig, register_scheme
 from ._w8a8 import _ANNOTATION_KEY, _MATMUL, W8A8Quantizer, _is_float_tensor
 
 __all__ = ["FP8Config", "FP8Quantizer", "KV_CACHE_FORMATS", "FP8_GPTQ_PERCDAMP"]
@@ -50,8 +51,9 @@ _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
 
 
 @dataclass(frozen=True)
-class FP8Config:
-    """What :class:`FP8Quantizer` does to one part of the model.
+class FP8Config(SchemeConfig):
+    """What :class:`FP8Quantizer` does to one part of the model (``quantizer()`` builds one for the
+    whole model, no KV cache). Presets ``fp8`` and ``fp8-dynamic`` are registered below.
 
     Args:
         dynamic: quantize activations at run time (no calibration) instead of with
@@ -76,6 +78,8 @@ class FP8Config:
     ops: frozenset = field(default_factory=lambda: frozenset({"linear", "matmul"}))
     weight_algorithm: str = "rtn"
     gptq_percdamp: float = FP8_GPTQ_PERCDAMP
+
+    VERSION = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.dynamic, bool):
@@ -116,6 +120,12 @@ class FP8Config:
     @property
     def activation_dtype(self) -> torch.dtype:
         return torch.float8_e4m3fn
+
+    def quantizer(self) -> "FP8Quantizer":
+        """``FP8Quantizer`` with these settings for the whole model (no KV cache)."""
+        return FP8Quantizer(dynamic=self.dynamic, granularity=self.granularity,
+                            weight_granularity=self.weight_granularity, act_observer=self.act_observer,
+                            ops=self.ops, weight_algorithm=self.weight_algorithm, gptq_percdamp=self.gptq_percdamp)
 
     # what SmoothQuant's alpha search (quantkit.accuracy._smoothquant) scores a candidate with
     def fake_quant_activations(self, xs: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -318,3 +328,9 @@ def _eager_attention_role(node: Node) -> Optional[str]:
             return None
         cur = cur.args[0]
     return None
+
+
+register_scheme("fp8", FP8Config(),
+                description="E4M3 weights per output channel, static E4M3 activations per tensor (calibrated)")
+register_scheme("fp8-dynamic", FP8Config(dynamic=True, granularity="per-token"),
+                description="E4M3 weights per output channel, E4M3 activations per token at run time")

@@ -21,6 +21,7 @@ from quantkit.observers._declared import declaring
 from quantkit.observers._fake_quant import FakeQuantize
 
 from ._config import Granularity, QuantConfig
+from ._scheme import quantizer_for
 
 __all__ = ["W8A8Quantizer"]
 
@@ -246,3 +247,6 @@ class W8A8Quantizer(Quantizer):
 
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         return model
+
+
+quantizer_for(QuantConfig)(W8A8Quantizer)  # QuantConfig(...).quantizer() is W8A8Quantizer(config)
