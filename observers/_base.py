@@ -6,6 +6,7 @@ import torch
 from torchao.quantization.pt2e.observer import ObserverBase
 
 from quantkit._errors import CalibrationError, ConvertError
+from quantkit._qdq import PER_CHANNEL, PER_TENSOR, PER_TOKEN, kind_from_attributes
 from quantkit._qmath import DEFAULT_EPS, choose_qparams, default_qrange, is_per_channel, underlying_dtype
 
 from ._tokens import real_tokens
@@ -20,11 +21,9 @@ _QSCHEMES = (
 )
 
 
-# what one scale covers, as an observer declares it (``obs.granularity``); the values
-# match quantkit.quantizers.Granularity where the two overlap
-PER_TENSOR = "per-tensor"
-PER_CHANNEL = "per-channel"  # one scale per index of ``ch_axis``
-PER_TOKEN = "per-token"      # one scale per row of the last dimension (dynamic only)
+# what one scale covers, as an observer declares it (``obs.granularity``): PER_TENSOR, PER_CHANNEL,
+# PER_TOKEN (defined in quantkit._qdq, re-exported here); the values match
+# quantkit.quantizers.Granularity where the two overlap
 
 
 def declared_qscheme(ctor) -> torch.qscheme | None:
@@ -66,7 +65,10 @@ class QuantkitObserver(ObserverBase):
     ``ch_axis`` for per-channel schemes), ``is_dynamic`` (qparams chosen at run time) and
     ``granularity`` (``"per-tensor"``, ``"per-channel"`` or ``"per-token"``); ``token_axes`` is recorded by ``quantkit.prepare``
     for padding-aware calibration; ``requires_calibration`` (True) makes ``quantkit.convert``
-    refuse the observer until it has seen data.
+    refuse the observer until it has seen data. ``qkind`` names the convert emitter that
+    replaces it (``quantkit.pipeline.emit``): here it follows from the attributes above
+    (:func:`quantkit._qdq.kind_from_attributes`: ``"affine"``, ``"dynamic"``, ``"float8"``,
+    ``"float16"``, ``"passthrough"``); a subclass of one kind declares it as a class attribute.
 
     Args:
         dtype: quantized dtype (torch.int8/uint8, or torch.qint8/quint8).
@@ -107,6 +109,11 @@ class QuantkitObserver(ObserverBase):
         self.register_buffer("eps", torch.tensor([eps], dtype=torch.float32))
         # set by quantkit.prepare: names the graph edge this observer watches
         self.node_name = "<unattached>"
+
+    @property
+    def qkind(self) -> str:
+        """The convert kind (``quantkit.pipeline.emit``) that this observer's attributes declare."""
+        return kind_from_attributes(self)
 
     # quantkit.convert refuses an observer that declares it needs calibration and has seen no
     # data (a safety feature: default qparams would silently ruin the model). An observer that

@@ -8,6 +8,8 @@ import math
 import torch
 from torchao.quantization.pt2e.fake_quantize import FakeQuantizeBase
 
+from quantkit._errors import ConvertError
+from quantkit._qdq import kind_from_attributes
 from quantkit._qmath import dequantize_group, is_per_channel, is_symmetric, quantize_group
 
 from ._groupwise import PER_GROUP
@@ -113,6 +115,8 @@ class FakeQuantize(FakeQuantizeBase):
     scheme = property(lambda self: self.activation_post_process.scheme)
     symmetric = property(lambda self: self.activation_post_process.symmetric)
     weight_algorithm = property(lambda self: getattr(self.activation_post_process, "weight_algorithm", "rtn"))
+    # the convert emitter (quantkit.pipeline.emit) follows from the attributes above, as for observers
+    qkind = property(kind_from_attributes)
 
     def observe_weight(self, w: torch.Tensor) -> None:
         """Take the qparams of the weight ``w`` afresh (convert's group-wise path calls this on the
@@ -169,8 +173,6 @@ class FakeQuantize(FakeQuantizeBase):
         if self.is_dynamic:
             return self.activation_post_process.calculate_qparams()
         if not self.initialized:
-            from quantkit._errors import ConvertError
-
             raise ConvertError(
                 f"fake quantize at node '{self.node_name}' has seen no data; run a batch through the model first")
         scale = self.scale.detach().clamp_min(self._eps()).clone()

@@ -33,6 +33,7 @@ class Float8DynamicObserver(PlaceholderObserver):
     """
 
     float8_rounding = True
+    qkind = "float8"  # quantkit.pipeline.emit: torchao's float8 ops with a run-time scale
 
     def __init__(self, dtype=torch.float8_e4m3fn, qscheme=torch.per_tensor_symmetric,
                  is_dynamic: bool = True, per_token: bool = False, **kwargs) -> None:

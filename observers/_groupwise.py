@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from quantkit._qdq import PER_GROUP
 from quantkit._qmath import DEFAULT_EPS, choose_qparams_group, group_min_max, nf4_scales
 
 from ._base import QuantkitObserver
@@ -11,9 +12,8 @@ from ._registry import register
 
 __all__ = ["GroupwiseWeightObserver", "PER_GROUP", "WEIGHT_SCHEMES"]
 
-# what one scale covers (``obs.granularity``): ``group_size`` consecutive input features of one
-# output row of a ``[N, K]`` weight; quantkit.convert emits group-wise q/dq ops for it
-PER_GROUP = "per-group"
+# PER_GROUP (``obs.granularity``, defined in quantkit._qdq): ``group_size`` consecutive input features
+# of one output row of a ``[N, K]`` weight; quantkit.convert emits group-wise q/dq ops for it
 # integer: affine or symmetric qparams over [quant_min, quant_max]; "nf4": codes into the NF4
 # table with per-group absmax scales
 WEIGHT_SCHEMES = ("int4", "int8", "nf4")
@@ -44,6 +44,8 @@ class GroupwiseWeightObserver(QuantkitObserver):
         >>> obs = GroupwiseWeightObserver(group_size=128)
         >>> obs(weight); scale, zero_point = obs.calculate_qparams()  # [N, K // 128] each
     """
+
+    qkind = "groupwise"  # quantkit.pipeline.emit: folded packed integers / NF4 codes, per-group dequantize
 
     def __init__(self, group_size: int, scheme: str = "int4", symmetric: bool = False,
                  weight_algorithm: str = "rtn", dtype: torch.dtype | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from quantkit._errors import ConvertError
+from quantkit._qdq import emit_dynamic
 from quantkit._qmath import is_per_channel, underlying_dtype
 
 from ._base import PER_TENSOR, PER_TOKEN, QuantkitObserver
@@ -259,8 +260,6 @@ class PlaceholderObserver(QuantkitObserver):
             ConvertError: for per-token observers, which torchao's ``convert_pt2e`` cannot
                 express (its metadata pass knows only per-tensor ``choose_qparams``).
         """
-        from quantkit.pipeline._convert import emit_dynamic
-
         if self.per_token:
             where = self.node_name if self.node_name != "<unattached>" else observer_node.args[0].name
             raise ConvertError(

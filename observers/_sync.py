@@ -38,6 +38,8 @@ from collections import OrderedDict
 
 import torch
 
+from quantkit._graph import is_observer_module
+
 from . import _histsearch as hs
 from ._base import QuantkitObserver
 from ._collective import EXCHANGED, collective, comm_device as _comm_device
@@ -372,8 +374,6 @@ def _adapter(obs: torch.nn.Module, name: str, rank: int, world: int) -> _Sync | 
 
 
 def _observers(prepared: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    from quantkit.pipeline._prepare import is_observer_module
-
     out = []
     for name, m in prepared.named_modules():
         if not is_observer_module(m):

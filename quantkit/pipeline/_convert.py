@@ -1,275 +1,56 @@
-"""convert: replace observers with quantized_decomposed quantize/dequantize pairs, fold weights to int8."""
+"""convert: replace each observer with what the emitter of its kind emits (``quantkit.pipeline.emit``),
+fold quantized constants, give every dequantize its own consumer."""
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.node import map_arg
 
-from quantkit.observers import QuantkitObserver
 from quantkit.observers._base import empty_message
 
 from .._errors import ConvertError
-from ._prepare import (
-    control_flow_subgraphs,
-    copy_sharing_parameters,
-    disallow_train_eval,
+from .._graph import (
+    DEQUANTIZE_OPS,
+    CHOOSE_QPARAMS_OPS,
+    FOLDED_PREFIX,
+    QPARAMS_META_KEY,
+    QUANTIZE_OPS,
+    constant_value,
+    get_attr,
+    is_calibrated,
     is_observer_node,
-    is_prepared,
-    set_submodule,
+    mutated_attributes,
 )
-from .._qmath import FLOAT8_DTYPES, is_per_channel, underlying_dtype
-from ._convert_fp8 import emit_float8, is_float8_observer
+from .._qdq import PER_TOKEN, SUPPORTED_DTYPES, emit_dynamic
+from .._qmath import underlying_dtype
+from ._prepare import control_flow_subgraphs, copy_sharing_parameters, disallow_train_eval, is_prepared, set_submodule
 from ._qat import fold_simulated_bn, is_qat, refuse_training
-from ._convert_groupwise import emit_groupwise, is_groupwise
+from .emit import ConvertContext, emitter_for
 
 __all__ = [
     "convert", "convert_in_place", "emit_dynamic", "QPARAMS_META_KEY", "QUANTIZE_OPS", "DEQUANTIZE_OPS", "FOLDED_PREFIX",
+    "mutated_attributes",
 ]
 
-# gm.meta entry listing every quantized tensor with its qparams (used by reports)
-QPARAMS_META_KEY = "quantkit_qparams"
-
-_OPS = torch.ops.quantized_decomposed
-# every quantize/dequantize op convert emits (the debug and accuracy tools use these too)
-QUANTIZE_OPS = frozenset({
-    _OPS.quantize_per_tensor.default, _OPS.quantize_per_tensor.tensor,
-    _OPS.quantize_per_channel.default, _OPS.quantize_per_token.default,
-})
-DEQUANTIZE_OPS = frozenset({
-    _OPS.dequantize_per_tensor.default, _OPS.dequantize_per_tensor.tensor,
-    _OPS.dequantize_per_channel.default, _OPS.dequantize_per_token.default,
-})
-_CHOOSE_QPARAMS = {
-    torch.per_tensor_affine: _OPS.choose_qparams.tensor,
-    torch.per_tensor_symmetric: _OPS.choose_qparams_symmetric.tensor,
-}
-_CHOOSE_OPS = frozenset(_CHOOSE_QPARAMS.values()) | {_OPS.choose_qparams_per_token.default}
-# static quantization dtypes (torchao's convert_pt2e SUPPORTED_QDTYPES): float8 ones take the
-# same quantize/dequantize_per_tensor/_per_channel ops with the float8 dtype argument
-_SUPPORTED = (torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32) + FLOAT8_DTYPES
-# folded quantized weights are buffers named as torchao's constant_fold (and Inductor's
-# freezing) name theirs: _frozen_param0, _frozen_param1, ... (the first free index)
-FOLDED_PREFIX = "_frozen_param"
+# the names this module had before the emitters and quantkit._graph held them (sequential, tests)
+_SUPPORTED = SUPPORTED_DTYPES
+_CHOOSE_OPS = CHOOSE_QPARAMS_OPS
+_constant_value = constant_value
+_is_calibrated = is_calibrated
+_Converter = ConvertContext
+_attr = get_attr
 
 
-def _attr(gm: torch.nn.Module, target: str):
-    obj = gm
-    for atom in target.split("."):
-        obj = getattr(obj, atom)
-    return obj
+def _record_dynamic(ctx: ConvertContext, node: Node, obs) -> None:
+    """A dynamic observer's record (whatever its kind): no qparams, the run-time granularity."""
+    if getattr(obs, "is_dynamic", False) and hasattr(obs, "dtype"):
+        per_token = getattr(obs, "granularity", None) == PER_TOKEN
+        ctx.records.append({"node": getattr(obs, "node_name", node.name),
+                            "kind": "dynamic-per-token" if per_token else "dynamic",
+                            "dtype": str(underlying_dtype(obs.dtype)).replace("torch.", "")})
 
 
-def _writes(user: Node, arg: Node) -> tuple[bool, bool]:
-    """``(writes, aliases)``: whether op ``user`` writes into its input ``arg`` (in place, e.g.
-    ``index_put_``, ``copy_``), and whether its output is a view of it (e.g. ``select``)."""
-    schema = getattr(user.target, "_schema", None)
-    if user.op != "call_function" or schema is None:
-        return False, False
-    writes = aliases = False
-    for i, a in enumerate(schema.arguments):
-        value = user.args[i] if i < len(user.args) else user.kwargs.get(a.name)
-        if value is arg and a.alias_info is not None:
-            writes = writes or a.alias_info.is_write
-            aliases = True
-    returns_alias = any(r.alias_info is not None for r in schema.returns)
-    return writes, aliases and returns_alias and not writes
-
-
-def mutated_attributes(gm: GraphModule) -> set[str]:
-    """Targets of ``get_attr`` nodes the graph writes in place, directly or through a view:
-    state (e.g. a buffer updated by ``index_put_``), not constants to fold."""
-    mutated = set()
-    modules = dict(gm.named_modules(remove_duplicate=False))
-    for node in gm.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        todo = [node]
-        while todo:
-            cur = todo.pop()
-            for user in cur.users:
-                writes, view = _writes(user, cur)
-                if writes:
-                    mutated.add(str(node.target))
-                elif view or is_observer_node(user, modules):  # observers pass their input on
-                    todo.append(user)
-    return mutated
-
-
-def _constant_value(gm: GraphModule, node, memo: dict):
-    """Evaluate ``node`` if it depends only on module attributes that the graph never writes;
-    else return None. ``memo`` caches values; its ``"mutated"`` entry lists the written ones."""
-    if not isinstance(node, Node):
-        return node
-    if node in memo:
-        return memo[node]
-    if "mutated" not in memo:
-        memo["mutated"] = mutated_attributes(gm)
-    value = None
-    if node.op == "get_attr" and str(node.target) not in memo["mutated"]:
-        value = _attr(gm, str(node.target))
-    elif node.op == "call_function" and not getattr(node.target, "_nondeterministic_seeded", False):
-        deps: list[Node] = []
-        map_arg((node.args, node.kwargs), deps.append)
-        if all(_constant_value(gm, d, memo) is not None for d in deps):
-            args, kwargs = map_arg((node.args, node.kwargs), lambda n: memo[n])
-            with torch.no_grad():
-                value = node.target(*args, **kwargs)
-    memo[node] = value
-    return value
-
-
-def _per_token(obs) -> bool:
-    from quantkit.observers._base import PER_TOKEN
-
-    return getattr(obs, "granularity", None) == PER_TOKEN
-
-
-def _scalar(value) -> float:
-    return float(value.reshape(-1)[0]) if isinstance(value, torch.Tensor) else float(value)
-
-
-def emit_dynamic(graph: torch.fx.Graph, node: Node, obs) -> Node:
-    """Insert, before the observer call ``node``, the run-time quantization of its input that
-    the dynamic observer ``obs`` describes; return the dequantized value.
-
-    Per tensor (``obs.qscheme`` affine or symmetric): ``choose_qparams[_symmetric].tensor``
-    then ``quantize/dequantize_per_tensor.tensor`` (torchao's ``convert_pt2e`` emits the same);
-    per token (``obs.granularity == "per-token"``): ``choose_qparams_per_token`` then
-    ``quantize/dequantize_per_token``.
-    """
-    src = node.args[0]
-    dtype = underlying_dtype(getattr(obs, "dtype", torch.float32))
-    if dtype not in (torch.int8, torch.uint8):
-        raise ConvertError(f"dynamic quantization supports int8 and uint8, got {dtype} at node '{node.name}'")
-    val = src.meta.get("val") if isinstance(src, Node) else None
-    float_out = val.dtype if isinstance(val, torch.Tensor) and val.is_floating_point() else torch.float32
-    with graph.inserting_before(node):
-        if _per_token(obs):
-            choose = graph.call_function(_OPS.choose_qparams_per_token.default, (src, dtype))
-            scale = graph.call_function(operator.getitem, (choose, 0))
-            zp = graph.call_function(operator.getitem, (choose, 1))
-            qargs = (scale, zp, obs.quant_min, obs.quant_max, dtype)
-            q = graph.call_function(_OPS.quantize_per_token.default, (src,) + qargs)
-            return graph.call_function(_OPS.dequantize_per_token.default, (q,) + qargs + (float_out,))
-        qscheme = getattr(obs, "qscheme", torch.per_tensor_affine)
-        if qscheme not in _CHOOSE_QPARAMS:
-            raise ConvertError(
-                f"dynamic quantization supports per-tensor qschemes only, got {qscheme} at node '{node.name}'"
-            )
-        eps = _scalar(getattr(obs, "eps", torch.finfo(torch.float32).eps))
-        choose = graph.call_function(_CHOOSE_QPARAMS[qscheme], (src, obs.quant_min, obs.quant_max, eps, dtype))
-        scale = graph.call_function(operator.getitem, (choose, 0))
-        zp = graph.call_function(operator.getitem, (choose, 1))
-        qargs = (scale, zp, obs.quant_min, obs.quant_max, dtype)
-        q = graph.call_function(_OPS.quantize_per_tensor.tensor, (src,) + qargs)
-        kwargs = {} if float_out == torch.float32 else {"out_dtype": float_out}
-        return graph.call_function(_OPS.dequantize_per_tensor.tensor, (q,) + qargs, kwargs)
-
-
-def _is_calibrated(obs) -> bool:
-    flag = getattr(obs, "calibrated", None)
-    if flag is not None:
-        return bool(flag)
-    min_val = getattr(obs, "min_val", None)
-    if isinstance(min_val, torch.Tensor):
-        return min_val.numel() > 0 and bool(torch.isfinite(min_val).all())
-    return True
-
-
-class _Converter:
-    def __init__(self, gm: GraphModule, fold: bool = True):
-        self.gm = gm
-        self.fold = fold
-        self.graph = gm.graph
-        self.modules = dict(gm.named_modules(remove_duplicate=False))
-        self.memo: dict = {}
-        self.records: list[dict] = []
-
-    def _new_attr(self, base: str, value: torch.Tensor) -> Node:
-        i = 0
-        while hasattr(self.gm, f"{base}{i}"):
-            i += 1
-        name = f"{base}{i}"
-        self.gm.register_buffer(name, value)
-        return self.graph.get_attr(name)
-
-    def replace(self, node: Node) -> None:
-        obs = self.modules[str(node.target)]
-        if getattr(obs, "is_dynamic", False) and hasattr(obs, "dtype"):
-            self.records.append({"node": getattr(obs, "node_name", node.name),
-                                 "kind": "dynamic-per-token" if _per_token(obs) else "dynamic",
-                                 "dtype": str(underlying_dtype(obs.dtype)).replace("torch.", "")})
-        if is_groupwise(obs):  # weight-only int4/int8/NF4: one scale per group of input features
-            emit_groupwise(self, node, obs)
-            return
-        if hasattr(obs, "convert") and not isinstance(obs, QuantkitObserver):
-            # torchao's protocol: an observer that knows its own ops (torchao's affine and
-            # group-wise observers) rewrites its node
-            obs.convert(self.gm, node)
-            return
-        src = node.args[0]
-        const = _constant_value(self.gm, src, self.memo)
-        if is_float8_observer(obs):  # FP8 on the float8 grid: torchao's float8 ops (_convert_fp8)
-            self._finish(node, obs, emit_float8(self, node, obs, const))
-            return
-        dtype = underlying_dtype(getattr(obs, "dtype", torch.float32))
-        is_dynamic = bool(getattr(obs, "is_dynamic", False))
-        out_kwargs = {}
-        val = src.meta.get("val") if isinstance(src, Node) else None
-        if isinstance(val, torch.Tensor) and val.dtype != torch.float32:
-            out_kwargs = {"out_dtype": val.dtype}
-        with self.graph.inserting_before(node):
-            if dtype == torch.float16:
-                conv = _OPS.convert_element_type.no_fuse
-                out = self.graph.call_function(conv, (self.graph.call_function(conv, (src, torch.float16)), torch.float32))
-            elif dtype not in _SUPPORTED:
-                out = src  # nothing to quantize (e.g. a float passthrough observer)
-            elif is_dynamic:
-                out = emit_dynamic(self.graph, node, obs)
-            else:
-                scale, zp = obs.calculate_qparams()
-                if is_per_channel(obs.qscheme):
-                    axis = int(obs.ch_axis)
-                    scale_node = self._new_attr("_qk_scale_", scale.detach().clone())
-                    zp_node = self._new_attr("_qk_zero_point_", zp.detach().clone())
-                    qargs = (scale_node, zp_node, axis, obs.quant_min, obs.quant_max, dtype)
-                    q_op, dq_op = _OPS.quantize_per_channel.default, _OPS.dequantize_per_channel.default
-                else:
-                    qargs = (float(scale), int(zp), obs.quant_min, obs.quant_max, dtype)
-                    q_op, dq_op = _OPS.quantize_per_tensor.default, _OPS.dequantize_per_tensor.default
-                if isinstance(const, torch.Tensor) and self.fold:
-                    # fold: store the integer tensor, keep only the dequantize in the graph
-                    qvalue = q_op(const.detach(), *[self._literal(a) for a in qargs])
-                    q = self._new_attr(FOLDED_PREFIX, qvalue)
-                else:
-                    q = self.graph.call_function(q_op, (src,) + qargs)
-                out = self.graph.call_function(dq_op, (q,) + qargs, out_kwargs)
-                self.records.append({
-                    "node": getattr(obs, "node_name", node.name),
-                    "kind": "weight" if isinstance(const, torch.Tensor) else "activation",
-                    "dtype": str(dtype).replace("torch.", ""),
-                    "qscheme": str(obs.qscheme).replace("torch.", ""),
-                    "scale": scale.detach().reshape(-1).tolist(),
-                    "zero_point": zp.detach().reshape(-1).tolist(),
-                    "quant_min": obs.quant_min,
-                    "quant_max": obs.quant_max,
-                })
-        self._finish(node, obs, out)
-
-    def _finish(self, node: Node, obs, out: Node) -> None:
-        if getattr(obs, "kv_role", None) and self.records and self.records[-1]["node"] == getattr(obs, "node_name", None):
-            self.records[-1]["kv_cache"] = obs.kv_role  # a KV-cache scale (FP8Quantizer(kv_cache=...))
-        node.replace_all_uses_with(out)
-        self.graph.erase_node(node)
-
-    def _literal(self, arg):
-        return _attr(self.gm, str(arg.target)) if isinstance(arg, Node) else arg
-
-
-def _fold_constant_quantizes(conv: "_Converter") -> None:
+def _fold_constant_quantizes(conv: ConvertContext) -> None:
     """Fold quantize ops whose input is a constant (weights quantized by an observer's own
     ``convert`` hook, e.g. torchao's affine ``quantize_affine``) into integer buffers, as
     quantkit's own weights are folded."""
@@ -280,10 +61,10 @@ def _fold_constant_quantizes(conv: "_Converter") -> None:
     for node in list(conv.graph.nodes):
         if node.op != "call_function" or node.target not in foldable:
             continue
-        value = _constant_value(conv.gm, node, conv.memo)
+        value = conv.constant(node)
         if isinstance(value, torch.Tensor):
             with conv.graph.inserting_before(node):
-                folded = conv._new_attr(FOLDED_PREFIX, value.detach())
+                folded = conv.new_attr(FOLDED_PREFIX, value.detach())
             node.replace_all_uses_with(folded)
             conv.graph.erase_node(node)
 
@@ -295,7 +76,7 @@ def _duplicate_dequantize(gm: GraphModule) -> None:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in DEQUANTIZE_OPS:
             continue
-        users = [u for u in node.users if u.target not in _CHOOSE_OPS]
+        users = [u for u in node.users if u.target not in CHOOSE_QPARAMS_OPS]
         for user in users[1:]:
             with gm.graph.inserting_after(node):
                 copy = gm.graph.node_copy(node)
@@ -330,7 +111,9 @@ def convert(prepared: GraphModule, *, fold_quantize: bool = True) -> GraphModule
     its dequantize only, and the float weight is dropped. Every dequantize with several
     consumers is duplicated per consumer. Observers of quantkit, torchao (``prepare_pt2e``)
     and ``torch.ao`` are all accepted; an observer with a ``convert(model, node)`` method
-    (torchao's protocol) rewrites its own node.
+    (torchao's protocol) rewrites its own node. Each observer is rewritten by the emitter
+    registered for its kind (``obs.qkind``, see :mod:`quantkit.pipeline.emit`), so a new kind
+    registers an emitter instead of editing this function.
 
     Ownership: ``prepared`` is never modified and stays usable (calibrate it further,
     convert it again: the same data gives the same model). The result is a new
@@ -375,23 +158,12 @@ def _observe_weights_and_check(prepared: GraphModule) -> None:
     obs_nodes = [n for n in prepared.graph.nodes if is_observer_node(n, modules)]
     for node in obs_nodes:
         obs = modules[str(node.target)]
-        const = _constant_value(prepared, node.args[0], memo)
-        if isinstance(const, torch.Tensor) and not _is_calibrated(obs) and not getattr(obs, "is_dynamic", False):
+        const = constant_value(prepared, node.args[0], memo)
+        if isinstance(const, torch.Tensor) and not is_calibrated(obs) and not getattr(obs, "is_dynamic", False):
             obs(const)
     for node in obs_nodes:
         obs = modules[str(node.target)]
-        dtype = underlying_dtype(getattr(obs, "dtype", torch.float32))
-        own_convert = (hasattr(obs, "convert") and not isinstance(obs, QuantkitObserver)) or is_float8_observer(obs)
-        if dtype in FLOAT8_DTYPES and not own_convert and (is_per_channel(getattr(obs, "qscheme", None))
-                                       or getattr(obs, "is_dynamic", False)):
-            # torch's dequantize_per_channel subtracts int64 zero points from the float8 tensor,
-            # which torch cannot promote (the model could not run); choose_qparams is integer-only
-            kind = "dynamic" if getattr(obs, "is_dynamic", False) else "per-channel"
-            raise ConvertError(
-                f"{kind} {str(dtype).replace('torch.', '')} quantization at node "
-                f"'{getattr(obs, 'node_name', node.name)}' has no quantized_decomposed ops; "
-                "use a static per-tensor spec for float8"
-            )
+        emitter_for(obs).check(prepared, node, obs)
         algorithm = getattr(obs, "weight_algorithm", None)
         if algorithm not in (None, "rtn") and not getattr(obs, "has_fixed_qparams", True):
             raise ConvertError(
@@ -400,7 +172,7 @@ def _observe_weights_and_check(prepared: GraphModule) -> None:
             )
         # only observers that declare it are refused; others (torchao's) give their own defaults
         if getattr(obs, "requires_calibration", False) and not getattr(obs, "is_dynamic", False) \
-                and not _is_calibrated(obs):
+                and not is_calibrated(obs):
             where = getattr(obs, "node_name", node.name)
             shape = _empty_shape(node.args[0])
             if shape is not None or getattr(obs, "saw_empty", False):  # a zero-size dimension, not missing data
@@ -431,7 +203,7 @@ def _delete_unused_submodules(gm: GraphModule) -> None:
             atoms = str(node.target).split(".")
             used.update(".".join(atoms[:i]) for i in range(1, len(atoms) + 1))
             sub = gm.get_submodule(str(node.target)) if node.op == "call_module" or isinstance(
-                _attr(gm, str(node.target)), torch.nn.Module) else None
+                get_attr(gm, str(node.target)), torch.nn.Module) else None
             if sub is not None:
                 used.update(f"{node.target}.{name}" for name, _ in sub.named_modules() if name)
     for name, _ in sorted(gm.named_modules(remove_duplicate=False), key=lambda kv: -kv[0].count(".")):
@@ -459,10 +231,12 @@ def convert_in_place(prepared: GraphModule, *, fold_quantize: bool = True, _nest
         sub = convert_in_place(prepared.get_submodule(target), fold_quantize=fold_quantize, _nested=True)
         records.extend(sub.meta.get(QPARAMS_META_KEY, []))
         set_submodule(prepared, target, sub)
-    conv = _Converter(prepared, fold_quantize)
+    conv = ConvertContext(prepared, fold_quantize)
     # a prepared model whose quantizer annotated nothing has none: it converts to itself
     for node in [n for n in prepared.graph.nodes if is_observer_node(n, conv.modules)]:
-        conv.replace(node)
+        obs = conv.modules[str(node.target)]
+        _record_dynamic(conv, node, obs)
+        emitter_for(obs).emit(conv, node, obs)
     if fold_quantize:
         _fold_constant_quantizes(conv)
     _duplicate_dequantize(prepared)

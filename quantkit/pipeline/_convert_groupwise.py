@@ -1,90 +1,15 @@
-"""convert, group-wise weights: what a ``"per-group"`` weight observer becomes.
-
-int4 / int8: ``dequantize_per_channel_group(q, scale, zero_point, ...)`` (torch's
-``quantized_decomposed`` op) on a folded integer weight; int4 weights are stored packed two per
-byte and read through ``quantkit.unpack_int4``. NF4: packed 4-bit codes, the 16-value table and
-per-group absmax scales behind ``quantkit.dequantize_nf4``.
-"""
+"""Former home of convert's group-wise path; it lives in :mod:`quantkit.pipeline.emit._groupwise`
+(kind ``"groupwise"``) and the op set in :mod:`quantkit._graph`. These names stay importable from here."""
 
 from __future__ import annotations
 
-import torch
-from torch.fx import Node
-
-from .. import _qmath
-from .._errors import ConvertError
-from . import _groupwise_ops  # noqa: F401  (registers quantkit::unpack_int4 / dequantize_nf4)
+from .._graph import GROUPWISE_DEQUANTIZE_OPS
+from .._qdq import PER_GROUP
+from .emit._groupwise import emit_groupwise
 
 __all__ = ["is_groupwise", "emit_groupwise", "GROUPWISE_DEQUANTIZE_OPS"]
-
-_OPS = torch.ops.quantized_decomposed
-GROUPWISE_DEQUANTIZE_OPS = frozenset({_OPS.dequantize_per_channel_group.default,
-                                      torch.ops.quantkit.dequantize_nf4.default})
 
 
 def is_groupwise(obs) -> bool:
     """Whether ``obs`` declares one scale per group of input features (``granularity``)."""
-    from quantkit.observers import PER_GROUP
-
     return getattr(obs, "granularity", None) == PER_GROUP
-
-
-def _qparams(obs, shape) -> tuple[torch.Tensor, torch.Tensor]:
-    """The observer's qparams shaped ``[N, K // g]``: scale float32, zero point int8 (small in artifacts)."""
-    scale, zp = obs.calculate_qparams()
-    groups = (shape[0], shape[1] // obs.group_size)
-    scale = scale.detach().float().reshape(groups).contiguous()
-    # int8 zero points for 4-bit ranges keep an int4 g128 artifact small; int32 for 8-bit ranges,
-    # whose q - zero_point would overflow int8
-    zp_dtype = torch.int8 if obs.quant_max - obs.quant_min <= 15 else torch.int32
-    zp = torch.round(zp.detach().double()).to(zp_dtype).reshape(groups).contiguous()
-    return scale, zp
-
-
-def emit_groupwise(conv, node: Node, obs) -> None:
-    """Replace the observer call ``node`` (on a constant ``[N, K]`` weight) of ``conv``'s graph by
-    its group-wise dequantize; the weight is quantized with the qparams ``obs`` gives for it."""
-    from ._convert import FOLDED_PREFIX, _constant_value
-
-    name = getattr(obs, "node_name", node.name)
-    src = node.args[0]
-    const = _constant_value(conv.gm, src, conv.memo)
-    if not isinstance(const, torch.Tensor):
-        raise ConvertError(f"group-wise observer at node '{name}' does not watch a constant weight; "
-                           "group-wise quantization is for weights only")
-    obs.observe_weight(const.detach())  # qparams describe the weight being folded
-    scale, zp = _qparams(obs, const.shape)
-    g, lo, hi = obs.group_size, obs.quant_min, obs.quant_max
-    dtype = _qmath.underlying_dtype(obs.dtype)
-    four_bit = hi - lo == 15
-    graph = conv.graph
-    with graph.inserting_before(node):
-        scale_node = conv._new_attr("_qk_scale_", scale)
-        if obs.scheme == "nf4":
-            codes = _qmath.quantize_nf4(const.detach(), scale, g)
-            table = conv._new_attr("_qk_nf4_table_", torch.tensor(_qmath.NF4_VALUES, dtype=torch.float32))
-            packed = conv._new_attr(FOLDED_PREFIX, _qmath.pack_int4(codes))
-            q = graph.call_function(torch.ops.quantkit.unpack_int4.default, (packed, False))
-            out = graph.call_function(torch.ops.quantkit.dequantize_nf4.default, (q, table, scale_node, g, const.dtype))
-            kind = "nf4"
-        else:
-            zp_node = conv._new_attr("_qk_zero_point_", zp)
-            qargs = (scale_node, zp_node, lo, hi, dtype)
-            if conv.fold:
-                qvalue = _qmath.quantize_group(const.detach(), scale, zp, lo, hi, dtype, g)
-                if four_bit:
-                    packed = conv._new_attr(FOLDED_PREFIX, _qmath.pack_int4(qvalue))
-                    q = graph.call_function(torch.ops.quantkit.unpack_int4.default, (packed, dtype == torch.int8))
-                else:
-                    q = conv._new_attr(FOLDED_PREFIX, qvalue)
-            else:
-                q = graph.call_function(_OPS.quantize_per_channel_group.default, (src,) + qargs + (g,))
-            out = graph.call_function(_OPS.dequantize_per_channel_group.default, (q,) + qargs + (g, const.dtype))
-            kind = ("int4" if dtype == torch.int8 else "uint4") if four_bit else str(dtype).replace("torch.", "")
-    conv.records.append({
-        "node": name, "kind": "weight", "dtype": kind, "qscheme": "per_channel_group", "group_size": g,
-        "symmetric": bool(obs.symmetric), "algorithm": getattr(obs, "weight_algorithm", "rtn"),
-        "shape": list(const.shape), "quant_min": lo, "quant_max": hi,
-    })
-    node.replace_all_uses_with(out)
-    graph.erase_node(node)

@@ -8,6 +8,8 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.nn.utils.fusion import fuse_conv_bn_weights, fuse_linear_bn_weights
 
+from .._graph import get_attr, set_attr
+
 __all__ = ["fold_conv_bn"]
 
 _CONVS = {
@@ -34,23 +36,11 @@ def _constant(gm: GraphModule, node) -> torch.Tensor | None:
         return None
     if not isinstance(node, Node) or node.op != "get_attr":
         raise _NotFoldable
-    obj = gm
-    for atom in str(node.target).split("."):
-        obj = getattr(obj, atom)
-    return obj.detach()
+    return get_attr(gm, str(node.target)).detach()
 
 
 class _NotFoldable(Exception):
     pass
-
-
-def _set_param(gm: GraphModule, target: str, value: torch.Tensor) -> None:
-    *path, name = target.split(".")
-    owner = gm.get_submodule(".".join(path)) if path else gm
-    if name in owner._parameters or not hasattr(owner, name):
-        owner.register_parameter(name, torch.nn.Parameter(value, requires_grad=False))
-    else:
-        setattr(owner, name, value)
 
 
 def fold_conv_bn(gm: GraphModule) -> int:
@@ -102,10 +92,11 @@ def fold_conv_bn(gm: GraphModule) -> int:
             weight, bias = fuse_conv_bn_weights(
                 conv_w, conv_b, bn_rm, bn_rv, eps, bn_w, bn_b, transpose=_CONVS[conv.target]
             )
-        _set_param(gm, str(conv.args[1].target), weight.detach())
+        # the targets are get_attr nodes' (they exist): a parameter stays a parameter, a buffer a buffer
+        set_attr(gm, str(conv.args[1].target), weight.detach())
         args = list(conv.args) + [None] * (3 - len(conv.args))
         if isinstance(args[2], Node):
-            _set_param(gm, str(args[2].target), bias.detach())
+            set_attr(gm, str(args[2].target), bias.detach())
         else:
             bias_name = str(conv.args[1].target).replace(".", "_") + "_folded_bias"
             gm.register_parameter(bias_name, torch.nn.Parameter(bias.detach(), requires_grad=False))

@@ -16,10 +16,8 @@ import torch
 from torch.fx import GraphModule, Node
 from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, Quantizer
 
-from ._convert import DEQUANTIZE_OPS, QUANTIZE_OPS
+from .._graph import ANNOTATION_KEY, DEQUANTIZE_OPS, QUANTIZE_OPS, module_scopes
 from ._inputs import call_model
-from .._graph import module_scopes
-from ._sharing import ANNOTATION_KEY
 
 __all__ = ["Layer", "find_layers", "KeepFloat", "gemm_flops", "int8_fraction", "DEQUANTIZE_OPS", "QUANTIZE_OPS"]
 

@@ -11,6 +11,7 @@ from torch.fx import GraphModule, Node
 from quantkit.observers import QuantkitObserver
 from quantkit.observers._tokens import token_dim
 
+from .._graph import is_observer_module, is_observer_node, unique_attr_name
 from ._fold_bn import fold_conv_bn
 from ._sharing import ANNOTATION_KEY, EdgeOrNode, observers_for_annotations
 
@@ -21,25 +22,6 @@ __all__ = [
 ]
 
 OBSERVER_PREFIX = "activation_post_process_"
-
-
-def _observer_bases() -> tuple[type, ...]:
-    from torch.ao.quantization.fake_quantize import FakeQuantizeBase as AoFakeQuantizeBase
-    from torch.ao.quantization.observer import ObserverBase as AoObserverBase
-    from torchao.quantization.pt2e.fake_quantize import FakeQuantizeBase
-    from torchao.quantization.pt2e.observer import AffineQuantizedObserverBase, ObserverBase
-
-    return (ObserverBase, AffineQuantizedObserverBase, FakeQuantizeBase, AoObserverBase, AoFakeQuantizeBase)
-
-
-def is_observer_module(module) -> bool:
-    """Whether ``module`` is an observer or fake-quantize module (quantkit's, torchao's or
-    ``torch.ao``'s): what :func:`quantkit.convert` replaces with quantize/dequantize ops."""
-    return isinstance(module, _observer_bases())
-
-
-def is_observer_node(node: Node, modules: dict[str, torch.nn.Module]) -> bool:
-    return node.op == "call_module" and is_observer_module(modules.get(str(node.target)))
 
 
 # control-flow ops whose subgraph arguments (GraphModule attributes of the parent) run the
@@ -168,9 +150,8 @@ class _Inserter:
         self.device = next((t.device for t in list(gm.parameters()) + list(gm.buffers())), None)
 
     def insert_after(self, node: Node, obs: torch.nn.Module, key: EdgeOrNode) -> Node:
-        while hasattr(self.gm, f"{OBSERVER_PREFIX}{self.count}"):
-            self.count += 1
-        name = f"{OBSERVER_PREFIX}{self.count}"
+        name = unique_attr_name(self.gm, OBSERVER_PREFIX, start=self.count)
+        self.count = int(name[len(OBSERVER_PREFIX):])
         if self.device is not None:
             obs.to(self.device)
         if getattr(obs, "node_name", "<unattached>") == "<unattached>":

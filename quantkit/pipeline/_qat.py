@@ -10,7 +10,6 @@ norms and dropouts (an exported graph ignores the module flag) and the fake-quan
 from __future__ import annotations
 
 import copy
-import operator
 import types
 
 import torch
@@ -21,7 +20,7 @@ from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, Quantiza
 from quantkit.observers._fake_quant import FakeQuantize
 
 from .._errors import CaptureError, ConvertError
-from ._sharing import ANNOTATION_KEY
+from .._graph import ANNOTATION_KEY, get_attr, unique_attr_name
 from ._prepare import from_attributes, is_prepared, prepare_in_place
 
 __all__ = ["prepare_qat", "set_training", "fold_simulated_bn", "refuse_training", "is_qat"]
@@ -305,15 +304,8 @@ def simulate_conv_bn(gm: GraphModule) -> int:
     return count
 
 
-def _get(gm: GraphModule, target: str) -> torch.Tensor:
-    return operator.attrgetter(target)(gm)
-
-
 def _new_param(gm: GraphModule, base: str, value: torch.Tensor, like: Node) -> Node:
-    i = 0
-    while hasattr(gm, f"{base}{i}"):
-        i += 1
-    name = f"{base}{i}"
+    name = unique_attr_name(gm, base)
     gm.register_parameter(name, torch.nn.Parameter(value.detach().clone(), requires_grad=False))
     node = gm.graph.get_attr(name)
     fake = like.meta.get("val")
@@ -339,14 +331,14 @@ def fold_simulated_bn(gm: GraphModule) -> int:
         if info is None or info["bn"] not in nodes or info["scaled"] not in nodes:
             continue
         bn, scaled = nodes[info["bn"]], nodes[info["scaled"]]
-        vals = [None if a is None else _get(gm, str(a.target)) for a in bn.args[1:5]]
+        vals = [None if a is None else get_attr(gm, str(a.target)) for a in bn.args[1:5]]
         gamma, beta, mean, var = vals
         eps = bn.args[_BN_EPS_ARG]
         std = torch.sqrt(torch.add(var, eps))
         sf = torch.reciprocal(std) if gamma is None else torch.div(gamma, std)
-        w = _get(gm, info["weight"])
+        w = get_attr(gm, info["weight"])
         w_f = torch.mul(w, torch.reshape(sf, [-1] + [1] * (w.dim() - 1)))
-        b = torch.zeros_like(mean) if info["bias"] is None else _get(gm, info["bias"])
+        b = torch.zeros_like(mean) if info["bias"] is None else get_attr(gm, info["bias"])
         b_f = (b - mean) * sf + (0 if beta is None else beta)
         with gm.graph.inserting_before(scaled):
             w_node = _new_param(gm, "_qat_folded_weight", w_f, scaled)

@@ -28,12 +28,12 @@ from torchao.quantization.pt2e.quantizer import (
     SharedQuantizationSpec,
 )
 
+from quantkit._graph import ANNOTATION_KEY
 from quantkit._qmath import is_per_channel
 from quantkit.observers import DerivedObserver, FixedQParamsObserver
 
 __all__ = ["ANNOTATION_KEY", "EdgeOrNode", "observers_for_annotations", "observer_for_spec"]
 
-ANNOTATION_KEY = "quantization_annotation"
 EdgeOrNode = Union[Node, tuple[Node, Node]]
 
 _IMPLICIT_SHARE_ATTRS = (
