@@ -3,7 +3,9 @@
 ``model.pt2`` is ``torch.export.save`` of the converted program (int8 weights and their
 dequantize ops); it loads with ``torch.export.load`` once ``quantkit`` is imported
 (which registers the ``quantized_decomposed`` ops). ``quantization.json`` records the
-recipe, the qparams and the SHA-256 of ``model.pt2``.
+recipe, the qparams, the SHA-256 of ``model.pt2`` and, for a model quantized from a scheme
+(``quantkit.quantize(scheme=...)``, ``quantkit quantize``), its ``SchemeConfig.to_dict()`` as
+``"config"``, which :func:`load` rebuilds into ``meta["quantkit_config"]``.
 
 :func:`load` reads ``model.pt2`` without unpickling or running code from it
 (``quantkit.export._safe_pt2``) and checks it against that SHA-256. Directories are written
@@ -32,11 +34,12 @@ from . import _atomic, _safe_pt2
 from ..pipeline._capture import CAPTURE_META_KEY
 from ..pipeline._convert import QPARAMS_META_KEY
 from .._errors import QuantkitError
+from ..quantizers._scheme import CONFIG_META_KEY, SchemeConfig, SchemeError
 
 __all__ = ["save", "load", "MODEL_FILE", "RECIPE_FILE", "FORMAT", "FORMAT_VERSION", "ARTIFACT_FILES",
-           "PROGRAM_META_KEY", "RECIPE_META_KEY", "export_converted", "write_program", "recipe_document",
-           "versions", "atomic_dir", "check_out_dir", "read_json", "write_json", "verify_artifact",
-           "file_sha256", "unverified_reason", "UnverifiedWarning"]
+           "PROGRAM_META_KEY", "RECIPE_META_KEY", "CONFIG_META_KEY", "export_converted", "write_program",
+           "recipe_document", "recorded_config", "versions", "atomic_dir", "check_out_dir", "read_json", "write_json",
+           "verify_artifact", "file_sha256", "unverified_reason", "UnverifiedWarning"]
 
 MODEL_FILE = "model.pt2"
 RECIPE_FILE = "quantization.json"
@@ -212,9 +215,13 @@ def _describe_inputs(value: Any):
 
 
 def recipe_document(converted: torch.nn.Module, *, recipe: dict | None = None,
-                    source: dict | None = None) -> dict:
-    """The contents of ``quantization.json``: recipe, per-tensor qparams and versions."""
+                    source: dict | None = None, config: SchemeConfig | None = None) -> dict:
+    """The contents of ``quantization.json``: recipe, per-tensor qparams and versions, and the
+    scheme's config (``config``, else the converted model's ``meta["quantkit_config"]``) when
+    there is one."""
     capture = converted.meta.get(CAPTURE_META_KEY) or {}
+    config = config if config is not None else converted.meta.get(CONFIG_META_KEY)
+    extra = {} if config is None else {"config": config.to_dict()}
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -224,7 +231,23 @@ def recipe_document(converted: torch.nn.Module, *, recipe: dict | None = None,
         "example_inputs": {"args": _describe_inputs(list(capture.get("args", ()))),
                            "kwargs": _describe_inputs(dict(capture.get("kwargs", {})))},
         "tensors": list(converted.meta.get(QPARAMS_META_KEY, [])),
+        **extra,
     }
+
+
+def recorded_config(doc: dict | None, where: str) -> SchemeConfig | None:
+    """The ``SchemeConfig`` a ``quantization.json`` document records (None when it records none).
+
+    Raises:
+        QuantkitError: (one line) the record is damaged, newer than this quantkit, or of a config
+            type no imported module registers.
+    """
+    if not doc or doc.get("config") is None:
+        return None
+    try:
+        return SchemeConfig.from_dict(doc["config"])
+    except SchemeError as exc:
+        raise QuantkitError(f"{where}: its scheme config cannot be read back: {exc}") from None
 
 
 def read_json(path: Path) -> dict:
@@ -510,12 +533,14 @@ def load(path: str | os.PathLike, *, allow_unverified: bool = False) -> torch.nn
 
     Returns:
         The int8 model as a callable ``torch.nn.Module`` (``ExportedProgram.module()``). Its
-        ``meta["quantkit_program"]`` is the ``ExportedProgram`` and ``meta["quantkit_recipe"]``
-        the ``quantization.json`` document (None without one); :func:`save` writes them again.
+        ``meta["quantkit_program"]`` is the ``ExportedProgram``, ``meta["quantkit_recipe"]``
+        the ``quantization.json`` document (None without one) and ``meta["quantkit_config"]`` the
+        ``SchemeConfig`` it records (None when it records none); :func:`save` writes them again.
 
     Raises:
         QuantkitError: the directory or its ``model.pt2`` is missing, unreadable, modified,
-            unverifiable (without ``allow_unverified``), or holds something quantkit does not load.
+            unverifiable (without ``allow_unverified``), or holds something quantkit does not load;
+            or its recorded scheme config is damaged or of a type no imported module registers.
     """
     path = Path(path)
     if not path.is_dir():
@@ -529,6 +554,7 @@ def load(path: str | os.PathLike, *, allow_unverified: bool = False) -> torch.nn
     else:
         doc = None
         _check_verified(path, doc, allow_unverified=allow_unverified, flag=flag)
+    config = recorded_config(doc, repr(str(path / RECIPE_FILE)))
     program = _safe_pt2.load_program(model_file)  # checks the archive first
     reason = unverified_reason(doc)
     if reason is not None:
@@ -538,4 +564,5 @@ def load(path: str | os.PathLike, *, allow_unverified: bool = False) -> torch.nn
     module.meta["quantkit_converted"] = True  # a q/dq graph: quantkit.compile accepts it
     module.meta[PROGRAM_META_KEY] = program
     module.meta[RECIPE_META_KEY] = doc
+    module.meta[CONFIG_META_KEY] = config
     return module

@@ -7,16 +7,35 @@ from typing import Any, Iterable
 import torch
 from torch.fx import GraphModule
 
+from quantkit.quantizers._scheme import CONFIG_META_KEY, SchemeConfig, SchemeError, as_config
+from quantkit.quantizers._w8a8 import W8A8Quantizer
+
 from ._calibrate import calibrate
 from ._capture import capture
 from ._convert import convert_in_place
 from ._prepare import prepare, prepare_in_place
 
-__all__ = ["quantize"]
+__all__ = ["quantize", "resolve_quantizer"]
+
+
+def resolve_quantizer(quantizer=None, scheme: "str | SchemeConfig | None" = None, *, what: str = "quantizer"):
+    """``(quantizer, config)`` from a quantizer or a scheme (a preset name or a ``SchemeConfig``),
+    at most one of them; neither: ``W8A8Quantizer()`` (the ``w8a8`` preset) with no config recorded.
+
+    Raises:
+        SchemeError: both given, or an unknown preset name (one line naming the known ones).
+    """
+    if quantizer is not None and scheme is not None:
+        raise SchemeError(f"pass {what}= or scheme=, not both (a scheme builds its own quantizer)")
+    if scheme is None:
+        return (W8A8Quantizer() if quantizer is None else quantizer), None
+    config = as_config(scheme)
+    return config.quantizer(), config
 
 
 def quantize(model: torch.nn.Module, example_inputs: Any, calib_data: Iterable, quantizer=None, *,
-             dynamic_shapes=None, progress: bool = True, max_batches: int | None = None) -> GraphModule:
+             scheme: "str | SchemeConfig | None" = None, dynamic_shapes=None, progress: bool = True,
+             max_batches: int | None = None) -> GraphModule:
     """Quantize ``model`` end to end and return the converted q/dq GraphModule.
 
     Ownership: ``model`` is never modified; the result is a new module. Only one float copy
@@ -28,18 +47,24 @@ def quantize(model: torch.nn.Module, example_inputs: Any, calib_data: Iterable, 
         example_inputs: one batch (tensor, tuple or dict) used to capture the model.
         calib_data: an iterable of calibration batches.
         quantizer: defaults to ``W8A8Quantizer()`` (static int8).
+        scheme: instead of ``quantizer``: a registered preset name (``"w4a16"``, ...; see
+            ``quantkit.quantizers.available_schemes()``) or a ``SchemeConfig``; the result's
+            ``meta["quantkit_config"]`` holds the config, and ``quantkit.save`` records it.
         dynamic_shapes, progress, max_batches: see :func:`capture` and :func:`calibrate`.
 
-    Example:
-        >>> qmodel = quantkit.quantize(model, (x[:8],), [(b,) for b in x.split(32)])
-    """
-    if quantizer is None:
-        from quantkit.quantizers import W8A8Quantizer
+    Raises:
+        SchemeError: both ``quantizer`` and ``scheme``, or an unknown scheme name.
 
-        quantizer = W8A8Quantizer()
+    Example:
+        >>> qmodel = quantkit.quantize(model, (x[:8],), [(b,) for b in x.split(32)], scheme="w4a16")
+    """
+    quantizer, config = resolve_quantizer(quantizer, scheme)
     if isinstance(model, GraphModule):
         prepared = prepare(model, quantizer)  # the caller's graph: prepare a copy
     else:  # a graph of our own: prepare it in place
         prepared = prepare_in_place(capture(model, example_inputs, dynamic_shapes=dynamic_shapes), quantizer)
     calibrate(prepared, calib_data, progress=progress, max_batches=max_batches)
-    return convert_in_place(prepared)
+    converted = convert_in_place(prepared)
+    if config is not None:
+        converted.meta[CONFIG_META_KEY] = config
+    return converted
