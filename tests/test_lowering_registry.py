@@ -10,25 +10,17 @@ import quantkit
 from quantkit.lowering import (LoweringContext, LoweringError, register_lowering, registered_lowerings,
                                unregister_lowering)
 from quantkit.quantizers import WeightOnlyQuantizer
+from tests.models import make_mlp
 
 aten = torch.ops.aten
 
 
-class _Block(torch.nn.Module):
-    def __init__(self, d=256, h=512) -> None:
-        super().__init__()
-        self.up = torch.nn.Linear(d, h)
-        self.down = torch.nn.Linear(h, d, bias=False)
-
-    def forward(self, x):
-        return self.down(torch.nn.functional.gelu(self.up(x)))
-
-
-def _converted(x):
-    torch.manual_seed(0)
-    prepared = quantkit.prepare(quantkit.capture(_Block().eval(), (x,)), WeightOnlyQuantizer(bits=4, group_size=128))
+def _converted():
+    """An int4 weight-only MLP (three linears, two relus) and its input."""
+    model, x = make_mlp(d_in=128, d_hidden=256, d_out=128)
+    prepared = quantkit.prepare(quantkit.capture(model, (x[:8],)), WeightOnlyQuantizer(bits=4, group_size=128))
     quantkit.calibrate(prepared, [x], progress=False)
-    return quantkit.convert(prepared)
+    return quantkit.convert(prepared), x
 
 
 def _count(gm, target) -> int:
@@ -52,61 +44,58 @@ def toy_passes():
         seen["test_first"] = dict(ctx.counts)
         return {}  # nothing rewritten: nothing recorded
 
-    @register_lowering("test_gelu_to_ndtr", order=250, devices=("cpu",))
-    def gelu_to_ndtr(gm, ctx):
-        """gelu(x) -> x * Phi(x) (the exact GELU as two aten ops)."""
+    @register_lowering("test_relu_to_clamp", order=250, devices=("cpu",))
+    def relu_to_clamp(gm, ctx):
+        """relu(x) -> clamp_min(x, 0) (the same values)."""
         assert isinstance(ctx, LoweringContext) and ctx.device == "cpu"
-        seen["test_gelu_to_ndtr"] = dict(ctx.counts)
+        seen["test_relu_to_clamp"] = dict(ctx.counts)
         count = 0
         for node in list(gm.graph.nodes):
-            if node.op == "call_function" and node.target is aten.gelu.default and not node.kwargs:
+            if node.op == "call_function" and node.target is aten.relu.default:
                 with gm.graph.inserting_before(node):
-                    phi = gm.graph.call_function(aten.special_ndtr.default, (node.args[0],))
-                    out = gm.graph.call_function(aten.mul.Tensor, (node.args[0], phi))
+                    out = gm.graph.call_function(aten.clamp_min.default, (node.args[0], 0.0))
                 out.meta.update(node.meta)
                 node.replace_all_uses_with(out)
                 gm.graph.erase_node(node)
                 count += 1
         gm.recompile()
-        return {"test_gelu_to_ndtr": count}
+        return {"test_relu_to_clamp": count}
 
     yield seen
     unregister_lowering("test_first")
-    unregister_lowering("test_gelu_to_ndtr")
+    unregister_lowering("test_relu_to_clamp")
 
 
 def test_a_registered_pass_runs_in_compile_at_its_order(toy_passes):
     names = [p.name for p in registered_lowerings("cpu")]
     assert names.index("test_first") < names.index("int8") < names.index("weight_only") \
-        < names.index("test_gelu_to_ndtr") < names.index("fp8")
-    assert "test_gelu_to_ndtr" not in [p.name for p in registered_lowerings("cuda")]
-    x = torch.randn(2, 5, 256)
-    converted = _converted(x)
+        < names.index("test_relu_to_clamp") < names.index("fp8")
+    assert "test_relu_to_clamp" not in [p.name for p in registered_lowerings("cuda")]
+    converted, x = _converted()
     compiled = quantkit.compile(converted)
     gm = compiled._orig_mod
     counts = gm.meta["quantkit_lowering"]
-    assert counts["weight_only_int4"] == 2 and counts["test_gelu_to_ndtr"] == 1
-    assert list(counts)[-1] == "test_gelu_to_ndtr" and "test_first" not in counts
+    assert counts["weight_only_int4"] == 3 and counts["test_relu_to_clamp"] == 2
+    assert list(counts)[-1] == "test_relu_to_clamp" and "test_first" not in counts
     # order: the first pass saw nothing yet; the 250 one saw the weight-only counts, not FP8's or bf16's
     assert toy_passes["test_first"] == {}
-    seen = toy_passes["test_gelu_to_ndtr"]
-    assert {k: v for k, v in seen.items() if v} == {"weight_only_int4": 2}  # int8 (oneDNN) rewrote nothing here
+    seen = toy_passes["test_relu_to_clamp"]
+    assert {k: v for k, v in seen.items() if v} == {"weight_only_int4": 3}  # int8 (oneDNN) rewrote nothing here
     assert "fp8_linear" not in seen and "to_bf16" not in seen
-    assert _count(gm, aten.gelu.default) == 0 and _count(gm, aten.special_ndtr.default) == 1
-    assert _count(converted, aten.gelu.default) == 1  # compile rewrites a copy
-    unregister_lowering("test_gelu_to_ndtr")
+    assert _count(gm, aten.relu.default) == 0 and _count(gm, aten.clamp_min.default) == 2
+    assert _count(converted, aten.relu.default) == 2  # compile rewrites a copy
+    unregister_lowering("test_relu_to_clamp")
     plain = quantkit.compile(converted)._orig_mod
-    assert "test_gelu_to_ndtr" not in plain.meta["quantkit_lowering"]
+    assert "test_relu_to_clamp" not in plain.meta["quantkit_lowering"]
     with torch.no_grad():  # the lowered graphs eagerly (no Inductor): the rewrite keeps the values
-        torch.testing.assert_close(gm(x), plain(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gm(x), plain(x), rtol=0, atol=0)
 
 
 def test_reference_cpu_kernels_still_run_a_registered_pass(toy_passes):
-    x = torch.randn(2, 5, 256)
-    gm = quantkit.compile(_converted(x), cpu_kernels="reference")._orig_mod
+    gm = quantkit.compile(_converted()[0], cpu_kernels="reference")._orig_mod
     # the pass decides itself whether it applies; quantkit's passes stand aside for "reference"
-    assert gm.meta["quantkit_lowering"] == {"test_gelu_to_ndtr": 1}
-    assert toy_passes["test_gelu_to_ndtr"] == {}
+    assert gm.meta["quantkit_lowering"] == {"test_relu_to_clamp": 2}
+    assert toy_passes["test_relu_to_clamp"] == {}
 
 
 @pytest.mark.parametrize("kwargs,match", [

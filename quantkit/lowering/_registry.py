@@ -92,7 +92,8 @@ def _check(name, order, devices) -> tuple[str, ...]:
     return devices
 
 
-def register_lowering(name: str, *, order: int, devices: tuple[str, ...] = DEVICES) -> Callable[[LoweringFn], LoweringFn]:
+def register_lowering(name: str, *, order: int,
+                      devices: tuple[str, ...] = DEVICES) -> Callable[[LoweringFn], LoweringFn]:
     """Register the decorated function as the lowering pass ``name``; returns it unchanged.
 
     Args:
