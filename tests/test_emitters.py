@@ -76,6 +76,13 @@ def test_quantkit_observers_declare_their_kind(obs, kind):
     assert o.qkind == kind and qkind_of(o) == kind and emitter_for(o).qkind == kind
 
 
+@pytest.mark.parametrize("name", observers.available())
+def test_every_registered_observer_has_an_emitter(name):
+    ctor = observers.get(name)
+    obs = ctor(group_size=32) if name == "groupwise_minmax" else ctor()
+    assert emitter_for(obs).qkind == obs.qkind
+
+
 def test_float8_marked_observer_is_float8():
     from quantkit.observers._fp8 import Float8DynamicObserver, float8_observer
 

@@ -11,9 +11,9 @@ from torch.fx import GraphModule, Node
 from quantkit.observers import QuantkitObserver
 from quantkit.observers._tokens import token_dim
 
-from .._graph import is_observer_module, is_observer_node, unique_attr_name
+from .._graph import ANNOTATION_KEY, is_observer_module, is_observer_node, unique_attr_name
 from ._fold_bn import fold_conv_bn
-from ._sharing import ANNOTATION_KEY, EdgeOrNode, observers_for_annotations
+from ._sharing import EdgeOrNode, observers_for_annotations
 
 __all__ = [
     "prepare", "OBSERVER_PREFIX", "is_observer_module", "is_observer_node", "mark_padding_aware",

@@ -16,13 +16,15 @@ from typing import Iterable
 import torch
 from torch.fx import GraphModule, Node
 
+from quantkit._graph import is_observer_node
 from quantkit.observers import DerivedObserver
+from quantkit.quantizers import W8A8Quantizer
 
 from ._calibrate import calibrate
 from ._capture import capture
 from ._convert import convert, convert_in_place
 from ._layers import KeepFloat, Layer, find_layers
-from ._prepare import is_observer_node, prepare
+from ._prepare import prepare
 
 __all__ = ["Variants"]
 
@@ -68,8 +70,6 @@ class Variants:
 
     def __init__(self, model: torch.nn.Module, example_inputs, calib_data: Iterable, quantizer) -> None:
         if quantizer is None:
-            from quantkit.quantizers import W8A8Quantizer
-
             quantizer = W8A8Quantizer()
         self.quantizer = quantizer
         self.calib_data = calib_data
