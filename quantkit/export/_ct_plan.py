@@ -18,9 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import GraphModule, Node
 
-from ..pipeline._convert import DEQUANTIZE_OPS, QUANTIZE_OPS
-from ..pipeline._convert_fp8 import FLOAT8_DEQUANTIZE_OPS, FLOAT8_QUANTIZE_OPS
-from .._graph import get_attr, module_scopes
+from .._graph import DEQUANTIZE_OPS, FLOAT8_DEQUANTIZE_OPS, FLOAT8_QUANTIZE_OPS, QUANTIZE_OPS, get_attr, module_scopes
 from .._qmath import FLOAT8_DTYPES
 from . import _ct_schemes as schemes
 

@@ -34,10 +34,7 @@ from typing import Callable
 import torch
 from torch.fx import GraphModule, Node
 
-from .._graph import get_attr
-# importing pipeline._convert registers quantkit's group-wise ops (quantkit::dequantize_nf4) read below
-from ..pipeline._convert import DEQUANTIZE_OPS  # noqa: F401
-from ..pipeline._convert_fp8 import FLOAT8_DEQUANTIZE_OPS
+from .._graph import FLOAT8_DEQUANTIZE_OPS, get_attr  # _graph's import of _qdq registers quantkit::dequantize_nf4
 from .._qmath import FLOAT8_DTYPES, dequantize_float8, float8_max, quantize_float8
 
 __all__ = ["quant_args", "Float8Weight", "GroupWeight", "Float8Act", "KVCache", "read_float8_weight",

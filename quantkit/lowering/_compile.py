@@ -8,7 +8,7 @@ import warnings
 import torch
 from torch.fx import GraphModule
 
-from ..pipeline._convert import DEQUANTIZE_OPS
+from .._graph import DEQUANTIZE_OPS
 # quantkit's own passes register themselves on import (int8, weight-only, FP8, bf16: see _registry)
 from ._bf16 import resolve_float_dtype
 from ._fp8 import FP8_KERNELS, has_fp8_qdq

@@ -1,6 +1,6 @@
 """FP8 lowering: ``linear(dq8(q8(x)), dq8(w_fp8), bias)`` → ``torch._scaled_mm`` on the float8 operands.
 
-The converted graph (``quantkit.pipeline._convert_fp8``) keeps each FP8 linear as torchao's
+The converted graph (``quantkit.pipeline.emit._float8``) keeps each FP8 linear as torchao's
 float8 dequantize of the activation's float8 tensor and of the float8 weight buffer, then an
 ``aten.linear`` in float32. This pass hands the float8 tensors and their scales to
 ``aten._scaled_mm`` instead (CPU: its reference implementation in torch 2.13; CUDA: cuBLASLt
@@ -22,8 +22,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from .._graph import get_attr
-from ..pipeline._convert_fp8 import FLOAT8_DEQUANTIZE_OPS, FLOAT8_QUANTIZE_OPS
+from .._graph import FLOAT8_DEQUANTIZE_OPS, FLOAT8_QUANTIZE_OPS, get_attr
 from ._registry import LoweringContext, register_lowering
 
 __all__ = ["lower_fp8", "lower_fp8_pass", "has_fp8_qdq", "FP8_KERNELS"]
