@@ -161,7 +161,7 @@ class QuantConfig(SchemeConfig):
 
 
 register_scheme("w8a8", QuantConfig(),
-                description="static int8 weights per channel, uint8 activations per tensor (calibrated)")
+                description="static int8 weights per channel, calibrated uint8 activations per tensor")
 register_scheme("w8a8-dynamic", QuantConfig(dynamic=True),
                 description="int8 weights, int8 activations quantized per batch at run time")
 register_scheme("w8a8-per-token", QuantConfig(dynamic=True, granularity="per-token"),

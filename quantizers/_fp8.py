@@ -331,6 +331,6 @@ def _eager_attention_role(node: Node) -> Optional[str]:
 
 
 register_scheme("fp8", FP8Config(),
-                description="E4M3 weights per output channel, static E4M3 activations per tensor (calibrated)")
+                description="E4M3 weights per output channel, calibrated static E4M3 activations per tensor")
 register_scheme("fp8-dynamic", FP8Config(dynamic=True, granularity="per-token"),
                 description="E4M3 weights per output channel, E4M3 activations per token at run time")

@@ -6,18 +6,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .._errors import QuantkitError
+from ..quantizers._fp8 import FP8Config
 from . import _inputs as inputs
+from ._registered import presets_of
 
-__all__ = ["FP8Recipe", "FP8_SCHEMES", "describe_fp8"]
-
-# --scheme -> FP8Quantizer(dynamic, granularity): static E4M3 activations calibrated per tensor,
-# or E4M3 activations quantized per token at run time; E4M3 weights per output channel either way
-FP8_SCHEMES = {"fp8": (False, "per-tensor"), "fp8-dynamic": (True, "per-token")}
+__all__ = ["FP8Recipe", "describe_fp8"]
 
 
 @dataclass(frozen=True)
 class FP8Recipe:
-    """The FP8 choices of one ``quantize`` run (see ``quantizers.FP8Quantizer``)."""
+    """The FP8 choices of one ``quantize`` run: a registered ``FP8Config`` preset (``fp8``: static
+    E4M3 activations calibrated per tensor, ``fp8-dynamic``: per token at run time; E4M3 weights per
+    output channel either way) refined by the flags (see ``quantizers.FP8Quantizer``)."""
 
     scheme: str
     observer: str = "minmax"
@@ -25,16 +25,18 @@ class FP8Recipe:
     ops: tuple[str, ...] = ("linear", "matmul")
     algorithm: str = "rtn"  # --algorithm: how the E4M3 weights are rounded (FP8Config.weight_algorithm)
     kv_granularity: str = "per-tensor"  # --kv-granularity
+    dynamic: bool = False  # the preset's (FP8Config.dynamic, .granularity)
+    granularity: str = "per-tensor"
 
     @staticmethod
-    def from_args(args) -> "FP8Recipe | None":
-        """The FP8 recipe ``--scheme`` asks for, or None; ``--kv-cache`` without it, or flags that
-        mean something only for the int8 recipes, are usage errors."""
+    def from_args(args, config=None) -> "FP8Recipe | None":
+        """The FP8 recipe of ``--scheme`` (its registered ``config``), or None; ``--kv-cache`` without
+        it, or flags that mean something only for the int8 recipes, are usage errors."""
         scheme, kv = args.scheme, getattr(args, "kv_cache", None)
         kv_granularity = getattr(args, "kv_granularity", None)
-        if scheme not in FP8_SCHEMES:
+        if not isinstance(config, FP8Config):
             if kv is not None:
-                raise inputs.UsageError("--kv-cache applies to the FP8 schemes; add --scheme fp8 or fp8-dynamic, "
+                raise inputs.UsageError(f"--kv-cache applies to the FP8 schemes; add --scheme {presets_of(FP8Config)}, "
                                         "or drop it")
             if kv_granularity is not None:
                 raise inputs.UsageError("--kv-granularity applies to the FP8 schemes' --kv-cache; add --scheme fp8 "
@@ -43,7 +45,7 @@ class FP8Recipe:
         if kv_granularity is not None and kv is None:
             raise inputs.UsageError("--kv-granularity needs --kv-cache FORMAT (the KV cache it lays scales on); "
                                     "add it or drop --kv-granularity")
-        dynamic, _ = FP8_SCHEMES[scheme]
+        dynamic = config.dynamic
         int8_only = (("--activation", args.activation), ("--granularity", args.granularity),
                      ("--dynamic", args.dynamic))
         for flag, value in int8_only:
@@ -54,13 +56,14 @@ class FP8Recipe:
             raise inputs.UsageError(f"--weight-observer has no effect with --scheme {scheme} (E4M3 weights, "
                                     "amax / 448 per output channel); drop it")
         if dynamic and args.observer is not None:
-            raise inputs.UsageError("--observer has no effect with --scheme fp8-dynamic (scales are chosen at run "
+            raise inputs.UsageError(f"--observer has no effect with --scheme {scheme} (scales are chosen at run "
                                     "time); drop it")
-        ops = ("linear", "matmul")
+        ops = tuple(sorted(config.ops))
         if args.ops is not None:
             ops = tuple(sorted({o.strip() for o in args.ops.split(",") if o.strip()}))
-        recipe = FP8Recipe(scheme, args.observer or "minmax", kv, ops, getattr(args, "algorithm", None) or "rtn",
-                           kv_granularity or "per-tensor")
+        recipe = FP8Recipe(scheme, args.observer or config.act_observer, kv, ops,
+                           getattr(args, "algorithm", None) or config.weight_algorithm, kv_granularity or "per-tensor",
+                           config.dynamic, config.granularity.value)
         try:
             recipe.quantizer([])
         except ValueError as exc:
@@ -81,8 +84,7 @@ class FP8Recipe:
     def _fp8(self, skipped: list[str]):
         from quantkit.quantizers import FP8Quantizer
 
-        dynamic, granularity = FP8_SCHEMES[self.scheme]
-        fp8 = FP8Quantizer(dynamic=dynamic, granularity=granularity, kv_cache=self.kv_cache,
+        fp8 = FP8Quantizer(dynamic=self.dynamic, granularity=self.granularity, kv_cache=self.kv_cache,
                            kv_granularity=self.kv_granularity, act_observer=self.observer,
                            ops=frozenset(self.ops), weight_algorithm=self.algorithm)
         for name in skipped:
@@ -100,8 +102,13 @@ class FP8Recipe:
             raise QuantkitError(f"no attention found{where}: --kv-cache has nothing to quantize (the model has no "
                                 "scaled_dot_product_attention and no softmax between two matmuls); drop --kv-cache")
 
+    def config(self) -> FP8Config:
+        """This recipe's ``FP8Config`` (what quantization.json's ``config`` records; the KV cache is
+        the quantizer's, recorded in ``recipe``)."""
+        return self._fp8([]).global_config
+
     def to_json(self) -> dict:
-        dynamic, granularity = FP8_SCHEMES[self.scheme]
+        dynamic, granularity = self.dynamic, self.granularity
         return {"scheme": self.scheme, "fp8": True, "activation": "float8_e4m3fn", "dynamic": dynamic,
                 "granularity": granularity, "ops": list(self.ops), "observer": None if dynamic else self.observer,
                 "weights": "float8_e4m3fn per channel", "weight_observer": "per_channel_minmax",

@@ -16,6 +16,7 @@ import sys
 import warnings
 
 from .._text import printable, strip_ansi
+from ..quantizers._scheme import available_schemes, scheme_info
 
 __all__ = ["main"]
 
@@ -87,13 +88,10 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
     from ._autotune import add_arguments as _autotune_arguments
 
     _autotune_arguments(recipe)  # --recipe auto|NAME, --target, --strict
-    recipe.add_argument("--scheme", choices=["w8a8", "w8a8-dynamic", "w8a8-per-token", "w4a16", "w8a16", "nf4",
-                                             "fp8", "fp8-dynamic"],
-                        help="shorthand: w8a8 (static, calibrated activations; the default), w8a8-dynamic "
-                             "(= --dynamic) or w8a8-per-token (= --dynamic --granularity per-token); weight-only, "
-                             "float activations: w4a16 (int4, asymmetric, groups of 128), w8a16 (int8 per channel) "
-                             "or nf4 (NF4, groups of 64); FP8 (E4M3 weights and activations): fp8 (static) or "
-                             "fp8-dynamic (per token)")
+    schemes = "; ".join(f"{n} ({scheme_info(n).description})" for n in available_schemes()).replace("%", "%%")
+    recipe.add_argument("--scheme", choices=available_schemes(), metavar="NAME",
+                        help=f"a registered scheme (quantkit.quantizers.available_schemes()): {schemes}. w8a8 is "
+                             "the default; w8a8-dynamic = --dynamic, w8a8-per-token = --dynamic --granularity per-token")
     recipe.add_argument("--kv-cache", choices=["fp8_e4m3", "fp8_e5m2", "int8"],
                         help="FP8 schemes: calibrated per-tensor scales for every attention's keys and values "
                              "(q/dq on K after rotary, and on V), recorded in quantization.json")

@@ -32,6 +32,8 @@ def render_table(rows: list[dict], columns: list[str]) -> str:
 
 def describe_recipe(r: dict) -> str:
     """One sentence naming a recipe's choices (report.md, inspect)."""
+    if r.get("config_type"):  # a registered scheme the command line has no flags for (cli/_registered.py)
+        return f"scheme `{r.get('scheme')}` ({r.get('config_type')}): {r.get('description')}"
     if r.get("fp8"):
         return describe_fp8(r)
     if r.get("weight_only"):

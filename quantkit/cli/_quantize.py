@@ -11,45 +11,47 @@ import fnmatch
 import io
 import time
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 
-
 from ..export import _artifact
+from ..quantizers._config import QuantConfig
+from ..quantizers._fp8 import FP8Config
+from ..quantizers._scheme import SchemeConfig, get_scheme
+from ..quantizers._weight_only import WeightOnlyConfig
 from . import _autotune, _export, _sequential
 from . import _data as datasets, _inputs as inputs, _report as report, _torchrun as torchrun
 from .._errors import QuantkitError
 from ._weight_only import WeightOnlyRecipe, check_weight_algorithm
 from ._fp8 import FP8Recipe
+from ._registered import SchemeRecipe
 
-__all__ = ["Scheme", "Recipe", "run_quantize", "REPORT_JSON", "REPORT_MD", "TOKENIZER_DIR"]
+__all__ = ["Recipe", "run_quantize", "REPORT_JSON", "REPORT_MD", "TOKENIZER_DIR"]
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 TOKENIZER_DIR = "tokenizer"
 
 
-class Scheme(str, Enum):
-    """Shorthands for common recipes (``--scheme``); the explicit flags set the same fields."""
+# --scheme NAME resolves through the scheme registry (quantkit.quantizers.get_scheme): a QuantConfig preset
+# (w8a8, w8a8-dynamic, w8a8-per-token) sets the W8A8 fields below, a WeightOnlyConfig one (w4a16, w8a16, nf4)
+# the weight-only recipe (cli/_weight_only.py), an FP8Config one (fp8, fp8-dynamic) the FP8 recipe
+# (cli/_fp8.py); any other registered scheme runs as its config says (cli/_registered.py)
 
-    W8A8 = "w8a8"  # static int8 weights (per channel) and uint8 activations (per tensor)
-    W8A8_DYNAMIC = "w8a8-dynamic"  # int8 weights, activations quantized per batch at run time
-    W8A8_PER_TOKEN = "w8a8-per-token"  # int8 weights, activations quantized per token at run time
-    # weight-only (float activations): quantizers.WeightOnlyQuantizer, see cli/_weight_only.py
-    W4A16 = "w4a16"  # int4 weights, asymmetric, groups of 128 input features
-    W8A16 = "w8a16"  # int8 weights, symmetric, per output channel
-    NF4 = "nf4"  # NF4 codes with per-group absmax scales, groups of 64
-    # FP8 (E4M3 weights and activations): quantizers.FP8Quantizer, see cli/_fp8.py
-    FP8 = "fp8"  # static E4M3 activations per tensor
-    FP8_DYNAMIC = "fp8-dynamic"  # E4M3 activations per token at run time
 
-    @property
-    def dynamic(self) -> bool:
-        return self is not Scheme.W8A8
-
-    @property
-    def granularity(self) -> str:
-        return "per-token" if self is Scheme.W8A8_PER_TOKEN else "per-tensor"
+def _cli_recipe(config: SchemeConfig) -> bool:
+    """Whether the command line's recipes express every field of the preset ``config``."""
+    if isinstance(config, QuantConfig):
+        return config == QuantConfig(activation=config.activation, act_observer=config.act_observer,
+                                     weight_observer=config.weight_observer, dynamic=config.dynamic,
+                                     granularity=config.granularity, ops=config.ops,
+                                     weight_algorithm=config.weight_algorithm)
+    if isinstance(config, WeightOnlyConfig):
+        return not config.embeddings
+    if isinstance(config, FP8Config):
+        return config == FP8Config(dynamic=config.dynamic, granularity=config.granularity,
+                                   act_observer=config.act_observer, ops=config.ops,
+                                   weight_algorithm=config.weight_algorithm)
+    return False
 
 
 def observer_roles() -> dict[str, tuple[str, ...]]:
@@ -86,7 +88,8 @@ class Recipe:
 
     ``activation``, ``dynamic``, ``granularity``, ``ops``, ``observer`` and ``weight_observer``
     are the fields of :class:`quantkit.quantizers.QuantConfig`; ``scheme`` names the
-    combination when it is one of the :class:`Scheme` shorthands.
+    combination (a registered preset). ``weight_only``, ``fp8`` and ``registered`` hold the
+    recipe of a weight-only, FP8 or other registered ``--scheme`` instead.
     """
 
     activation: str | None = None
@@ -102,28 +105,46 @@ class Recipe:
     weight_only: WeightOnlyRecipe | None = None  # --scheme w4a16 | w8a16 | nf4
     fp8: FP8Recipe | None = None  # --scheme fp8 | fp8-dynamic [--kv-cache]
     weight_algorithm: str = "rtn"  # --algorithm for the W8A8 schemes (QuantConfig.weight_algorithm)
+    registered: SchemeRecipe | None = None  # another registered --scheme, run as its config says
 
     @staticmethod
     def from_args(args) -> "Recipe":
-        """Resolve ``--scheme`` against the explicit flags; conflicting combinations are usage errors."""
+        """Resolve ``--scheme`` through the registry against the explicit flags; conflicting
+        combinations are usage errors."""
         dynamic, granularity = args.dynamic, args.granularity
-        fp8 = FP8Recipe.from_args(args)
+        preset = get_scheme(args.scheme) if args.scheme is not None else None
+        if preset is not None and not _cli_recipe(preset):
+            return Recipe(skip=tuple(args.skip or ()), registered=SchemeRecipe.from_args(args, preset))
+        fp8 = FP8Recipe.from_args(args, preset)
         if fp8 is not None:
             return Recipe(skip=tuple(args.skip or ()), smoothquant=args.smoothquant,
                           accuracy_budget=args.accuracy_budget, metric=args.metric, fp8=fp8)
-        weight_only = WeightOnlyRecipe.from_args(args)
+        weight_only = WeightOnlyRecipe.from_args(args, preset)
         if weight_only is not None:
             return Recipe(observer=args.observer or "minmax", weight_observer=args.weight_observer,
                           skip=tuple(args.skip or ()), smoothquant=args.smoothquant,
                           accuracy_budget=args.accuracy_budget, metric=args.metric, weight_only=weight_only)
-        if args.scheme is not None:
-            scheme = Scheme(args.scheme)
-            if dynamic and not scheme.dynamic:
-                raise inputs.UsageError("--dynamic conflicts with --scheme w8a8 (static activations); drop one of them")
-            if granularity is not None and granularity != scheme.granularity:
-                raise inputs.UsageError(f"--granularity {granularity} conflicts with --scheme {scheme.value} "
-                                        f"({scheme.granularity}); drop one of them")
-            dynamic, granularity = scheme.dynamic, scheme.granularity
+        observer, weight_observer, activation = args.observer, args.weight_observer, args.activation
+        ops = None
+        algorithm = getattr(args, "algorithm", None)
+        if preset is not None:  # a QuantConfig preset: its fields, unless a flag says otherwise
+            if dynamic and not preset.dynamic:
+                raise inputs.UsageError(f"--dynamic conflicts with --scheme {args.scheme} (static activations); "
+                                        "drop one of them")
+            if granularity is not None and granularity != preset.granularity.value:
+                raise inputs.UsageError(f"--granularity {granularity} conflicts with --scheme {args.scheme} "
+                                        f"({preset.granularity.value}); drop one of them")
+            dynamic, granularity = preset.dynamic, preset.granularity.value
+            default = QuantConfig(dynamic=preset.dynamic, granularity=preset.granularity)
+            if activation is None and preset.activation != default.activation:
+                activation = preset.activation.value
+            if observer is None and not dynamic and preset.act_observer != default.act_observer:
+                observer = preset.act_observer
+            if weight_observer == default.weight_observer:
+                weight_observer = preset.weight_observer
+            if preset.ops != default.ops:
+                ops = tuple(sorted(preset.ops))
+            algorithm = algorithm or preset.weight_algorithm
         dynamic, granularity = bool(dynamic), granularity or "per-tensor"
         if granularity == "per-token" and not dynamic:
             raise inputs.UsageError("--granularity per-token needs --dynamic (per-token scales are chosen at run "
@@ -131,16 +152,15 @@ class Recipe:
         if dynamic and args.observer is not None:
             raise inputs.UsageError("--observer has no effect with dynamic activations (ranges are chosen at run "
                                     "time); drop it")
-        ops = None
         if args.ops is not None:
             ops = tuple(sorted({o.strip() for o in args.ops.split(",") if o.strip()}))
             if not ops:
                 raise inputs.UsageError("--ops needs at least one op family, e.g. --ops linear")
-        return Recipe(activation=args.activation, dynamic=dynamic, granularity=granularity, ops=ops,
-                      observer=args.observer or "minmax", weight_observer=args.weight_observer,
+        return Recipe(activation=activation, dynamic=dynamic, granularity=granularity, ops=ops,
+                      observer=observer or "minmax", weight_observer=weight_observer,
                       skip=tuple(args.skip or ()), smoothquant=args.smoothquant,
                       accuracy_budget=args.accuracy_budget, metric=args.metric,
-                      weight_algorithm=getattr(args, "algorithm", None) or "rtn")
+                      weight_algorithm=algorithm or "rtn")
 
     def __post_init__(self) -> None:
         from quantkit.accuracy._metrics import resolve_metric
@@ -178,16 +198,32 @@ class Recipe:
 
     @property
     def scheme(self) -> str | None:
-        """The :class:`Scheme` shorthand this recipe's activation settings amount to, if any."""
+        """The preset this recipe's activation settings amount to (for the W8A8 recipes: w8a8,
+        w8a8-dynamic or w8a8-per-token, whichever flags gave them)."""
+        if self.registered is not None:
+            return self.registered.scheme
         if self.weight_only is not None:
             return self.weight_only.scheme
         if self.fp8 is not None:
             return self.fp8.scheme
         if not self.dynamic:
-            return Scheme.W8A8.value
-        return (Scheme.W8A8_PER_TOKEN if self.granularity == "per-token" else Scheme.W8A8_DYNAMIC).value
+            return "w8a8"
+        return "w8a8-per-token" if self.granularity == "per-token" else "w8a8-dynamic"
+
+    def scheme_config(self) -> SchemeConfig:
+        """The ``SchemeConfig`` this recipe quantizes with (quantization.json's ``config``)."""
+        if self.registered is not None:
+            return self.registered.config
+        if self.weight_only is not None:
+            return self.weight_only.config()
+        if self.fp8 is not None:
+            return self.fp8.config()
+        return self.config()
 
     def to_json(self) -> dict:
+        if self.registered is not None:
+            return {**self.registered.to_json(), "skip": list(self.skip), "smoothquant": None,
+                    "accuracy_budget": None, "metric": None}
         if self.fp8 is not None:
             return {**self.fp8.to_json(), "skip": list(self.skip), "smoothquant": self.smoothquant,
                     "accuracy_budget": self.accuracy_budget,
@@ -204,10 +240,8 @@ class Recipe:
                 "skip": list(self.skip), "smoothquant": self.smoothquant, "accuracy_budget": self.accuracy_budget,
                 "metric": self.metric if self.accuracy_budget is not None else None}
 
-    def config(self):
+    def config(self) -> QuantConfig:
         """The W8A8 ``QuantConfig`` of this recipe."""
-        from quantkit.quantizers import QuantConfig
-
         kw = {} if self.ops is None else {"ops": frozenset(self.ops)}
         if self.weight_algorithm != "rtn":
             kw["weight_algorithm"] = self.weight_algorithm  # checked in __post_init__ (weight_algorithm_kwargs)
@@ -221,6 +255,8 @@ class Recipe:
 
         from quantkit.quantizers import EmbeddingQuantizer, W8A8Quantizer
 
+        if self.registered is not None:
+            return self.registered.quantizer(self.skipped(module_names))
         if self.weight_only is not None:
             return self.weight_only.quantizer(self.skipped(module_names))
         if self.fp8 is not None:
@@ -393,7 +429,7 @@ def run_quantize(args, say) -> int:
               "samples": len(samples), "heldout": split.heldout, "seq_len": args.seq_len,
               "batch_size": args.batch_size, "output": kind,
               "allow_missing_weights": bool(args.allow_missing_weights)}
-    doc = _artifact.recipe_document(qmodel, recipe=recipe.to_json(), source=source)
+    doc = _artifact.recipe_document(qmodel, recipe=recipe.to_json(), source=source, config=recipe.scheme_config())
     with _artifact.atomic_dir(out, overwrite=args.force, flag="--force") as tmp:
         model_file = _artifact.write_program(program, tmp)
         _artifact.write_json(tmp / _artifact.RECIPE_FILE, report.json_safe(doc))

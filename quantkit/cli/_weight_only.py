@@ -7,33 +7,34 @@ import functools
 from dataclasses import dataclass
 
 from .._errors import QuantkitError
+from ..quantizers._weight_only import WeightOnlyConfig
 from . import _inputs as inputs
+from ._registered import presets_of
 
-__all__ = ["WeightOnlyRecipe", "WEIGHT_ONLY_SCHEMES", "check_weight_algorithm", "describe_weight_only"]
-
-# --scheme -> (WeightOnlyQuantizer scheme, default group size, symmetric). Defaults: int4 groups of
-# 128 asymmetric (issue 14: 0.962 mean cosine on MiniLM vs 0.941 symmetric); NF4 groups of 64
-# (QLoRA's block size); int8 one scale per output channel (0.9996).
-WEIGHT_ONLY_SCHEMES = {"w4a16": ("int4", 128, False), "w8a16": ("int8", None, True), "nf4": ("nf4", 64, True)}
+__all__ = ["WeightOnlyRecipe", "check_weight_algorithm", "describe_weight_only"]
 
 
 @dataclass(frozen=True)
 class WeightOnlyRecipe:
-    """The weight-only choices of one ``quantize`` run (see ``quantizers.WeightOnlyQuantizer``)."""
+    """The weight-only choices of one ``quantize`` run: a registered ``WeightOnlyConfig`` preset
+    (``w4a16``, ``w8a16``, ``nf4``: ``quantkit.quantizers.get_scheme``) refined by ``--group-size``
+    and ``--algorithm`` (see ``quantizers.WeightOnlyQuantizer``)."""
 
     scheme: str
     group_size: int | None
     algorithm: str = "rtn"
+    weights: str = "int4"  # WeightOnlyConfig.scheme: int4, int8 or nf4
+    symmetric: bool = False
 
     @staticmethod
-    def from_args(args) -> "WeightOnlyRecipe | None":
-        """The weight-only recipe ``--scheme`` asks for, or None; flags that only mean something
-        for the W8A8 recipes (or only for weight-only ones) are usage errors."""
+    def from_args(args, config=None) -> "WeightOnlyRecipe | None":
+        """The weight-only recipe of ``--scheme`` (its registered ``config``), or None; flags that only
+        mean something for the W8A8 recipes (or only for weight-only ones) are usage errors."""
         scheme, group_size = args.scheme, getattr(args, "group_size", None)
-        if scheme not in WEIGHT_ONLY_SCHEMES:
+        if not isinstance(config, WeightOnlyConfig):
             if group_size is not None:
-                raise inputs.UsageError("--group-size applies to the weight-only schemes; add --scheme w4a16, "
-                                        "w8a16 or nf4, or drop it")
+                raise inputs.UsageError(f"--group-size applies to the weight-only schemes; add --scheme "
+                                        f"{presets_of(WeightOnlyConfig)}, or drop it")
             return None
         activation_flags = (("--dynamic", args.dynamic), ("--granularity", args.granularity),
                             ("--activation", args.activation), ("--ops", args.ops), ("--observer", args.observer),
@@ -47,14 +48,17 @@ class WeightOnlyRecipe:
                                     "or absmax for nf4); drop it")
         if group_size is not None and group_size < 2:
             raise inputs.UsageError(f"--group-size must be at least 2, got {group_size}")
-        return WeightOnlyRecipe(scheme, group_size if group_size is not None else WEIGHT_ONLY_SCHEMES[scheme][1],
-                                getattr(args, "algorithm", None) or "rtn")
+        return WeightOnlyRecipe(scheme, group_size if group_size is not None else config.group_size,
+                                getattr(args, "algorithm", None) or config.algorithm, config.scheme, config.symmetric)
+
+    def config(self) -> WeightOnlyConfig:
+        """This recipe's ``WeightOnlyConfig`` (what quantization.json's ``config`` records)."""
+        return WeightOnlyConfig(**self.kwargs())
 
     def kwargs(self) -> dict:
         """``WeightOnlyQuantizer`` arguments."""
-        kind, _, symmetric = WEIGHT_ONLY_SCHEMES[self.scheme]
-        return dict(bits=8 if kind == "int8" else 4, group_size=self.group_size, scheme=kind,
-                    symmetric=symmetric, algorithm=self.algorithm)
+        return dict(bits=8 if self.weights == "int8" else 4, group_size=self.group_size, scheme=self.weights,
+                    symmetric=self.symmetric, algorithm=self.algorithm)
 
     def quantizer(self, skipped: list[str]):
         """Weight-only linears plus int8 embeddings (as the W8A8 recipes); ``skipped`` modules stay float."""
@@ -116,8 +120,8 @@ def check_weight_algorithm(algorithm: str, weight_only: WeightOnlyRecipe | None)
     from quantkit.quantizers import QuantConfig
 
     if "weight_algorithm" not in {f.name for f in dataclasses.fields(QuantConfig)}:
-        raise inputs.UsageError(f"--algorithm {algorithm} needs a weight-only scheme here; add --scheme w4a16, "
-                                "w8a16 or nf4")
+        raise inputs.UsageError(f"--algorithm {algorithm} needs a weight-only scheme here; add --scheme "
+                                f"{presets_of(WeightOnlyConfig)}")
 
 
 def describe_weight_only(r: dict) -> str:

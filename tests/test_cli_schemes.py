@@ -1,0 +1,80 @@
+"""``quantkit quantize --scheme NAME`` resolves through the scheme registry: the same recipes as the
+hand-written ``Scheme`` branches gave, and quantization.json records the config.
+
+``data/cli_recipes_pre_registry.json`` maps each set of recipe flags to
+``Recipe.from_args(parse_args(["quantize", "--out", DIR, *flags])).to_json()`` as the command line of
+commit 24617de (the last before the registry) wrote it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantkit.cli import main
+from quantkit.cli._main import _build_parser
+from quantkit.cli._quantize import Recipe
+from quantkit.quantizers import FP8Config, SchemeConfig, available_schemes, get_scheme
+
+RECORDED = json.loads((Path(__file__).with_name("data") / "cli_recipes_pre_registry.json").read_text())
+
+
+def _recipe(extra: list[str]) -> Recipe:
+    return Recipe.from_args(_build_parser().parse_args(["quantize", "--out", "/tmp/unused", *extra]))
+
+
+@pytest.mark.parametrize("line", sorted(RECORDED))
+def test_recipes_are_the_pre_registry_ones(line):
+    assert _recipe(line.split()).to_json() == RECORDED[line]
+
+
+def test_scheme_choices_are_the_registry():
+    action = next(a for a in _build_parser()._subparsers._group_actions[0].choices["quantize"]._actions
+                  if "--scheme" in a.option_strings)
+    assert list(action.choices) == available_schemes()
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--scheme", "w8a16"], get_scheme("w8a16")),
+    (["--scheme", "fp8-dynamic", "--algorithm", "gptq"], FP8Config(dynamic=True, granularity="per-token",
+                                                                   weight_algorithm="gptq")),
+    (["--scheme", "w8a8", "--ops", "linear"], None),
+])
+def test_recipe_scheme_config(extra, expected):
+    config = _recipe(extra).scheme_config()
+    if expected is not None:
+        assert config == expected
+    assert SchemeConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+@pytest.fixture
+def mlp_files(tmp_path):
+    from safetensors.torch import save_file
+
+    from tests.cli_factories import mlp
+
+    torch.manual_seed(1)
+    weights = tmp_path / "mlp.safetensors"
+    save_file(mlp().state_dict(), str(weights))
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    for i in range(3):
+        torch.save(torch.randn(16, 64, generator=gen), calib / f"b{i}.pt")
+    return weights, calib
+
+
+@pytest.mark.parametrize("scheme", ["w8a8-dynamic", "w8a16"])
+def test_quantization_json_records_the_config_and_load_rebuilds_it(mlp_files, tmp_path, scheme):
+    import quantkit
+
+    weights, calib = mlp_files
+    out = tmp_path / scheme
+    assert main(["quantize", "tests.cli_factories:mlp", "--weights", str(weights), "--example-input", "8x64:float32",
+                 "--calib", str(calib), "--out", str(out), "--quiet", "--scheme", scheme]) == 0
+    doc = json.loads((out / "quantization.json").read_text())
+    assert doc["recipe"]["scheme"] == scheme
+    assert doc["config"] == get_scheme(scheme).to_dict()
+    assert quantkit.load(out).meta["quantkit_config"] == get_scheme(scheme)
