@@ -41,6 +41,7 @@ import functools
 
 import torch
 
+from ._cpu_isa import cpu_has
 from ._kernel_cache import KernelLoadError, KernelStatus, cache_dir, load, verify
 
 __all__ = ["int4_linear_cpu", "pack_int4_cpu", "available", "status", "KERNEL", "PREFILL_ROWS", "PREFILL_COLUMNS",
@@ -254,8 +255,6 @@ _DECODE_ARGS = ["const uint32_t*", "const float*", "uint16_t*", "int64_t", "int6
 
 def _cpu_gate() -> str | None:
     """None where this CPU can run the kernel, else why not."""
-    from ._cpu_isa import cpu_has
-
     if not cpu_has("avx512_vnni"):
         return "this CPU has no AVX512-VNNI (or ONEDNN_MAX_CPU_ISA caps it below)"
     capability = torch.backends.cpu.get_cpu_capability()

@@ -28,6 +28,8 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
+from quantkit.kernels._cpu_isa import cpu_has
+
 from .._graph import get_attr
 from ._registry import LoweringContext, register_lowering
 
@@ -46,8 +48,6 @@ _QUANT_READS_BF16 = {_Q.quantize_per_tensor.default}
 
 def bf16_supported() -> bool:
     """Whether this CPU has native bf16 arithmetic (AVX-512 BF16 or AMX-BF16)."""
-    from quantkit.kernels._cpu_isa import cpu_has
-
     return cpu_has("avx512_bf16") or cpu_has("amx_bf16")
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
+import quantkit.kernels  # noqa: F401  (registers torch.ops.quantkit.fp8_linear)
+
 from .._graph import FLOAT8_DEQUANTIZE_OPS, FLOAT8_QUANTIZE_OPS, get_attr
 from ._registry import LoweringContext, register_lowering
 
@@ -156,8 +158,6 @@ def lower_fp8_pass(gm: GraphModule, ctx: LoweringContext) -> dict[str, int]:
 
 def _emit_triton(graph, node: Node, x_q: Node, x_scale: Node, w: Node, w_scale: Node, bias) -> None:
     """Replace the linear ``node`` by ``quantkit::fp8_linear`` on its float8 operands and scales."""
-    import quantkit.kernels  # noqa: F401  registers torch.ops.quantkit.fp8_linear
-
     with graph.inserting_before(node):
         out = graph.call_function(torch.ops.quantkit.fp8_linear.default,
                                   (x_q, w, x_scale, w_scale, bias, torch.float32))

@@ -11,6 +11,8 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
+from quantkit.kernels import DECOMPOSED  # importing quantkit.kernels registers torch.ops.quantkit.*
+
 from .._graph import get_attr, unique_attr_name
 from ._match import ActQ, LinearMatch, MatmulMatch, _getitem_source
 
@@ -36,12 +38,7 @@ def _qparams(gm: GraphModule, act: ActQ, before: Node, device) -> tuple[Node, No
     return scale, zp
 
 
-def _register_ops() -> None:
-    import quantkit.kernels  # noqa: F401  (registers torch.ops.quantkit.*; imports triton)
-
-
 def emit_linear(gm: GraphModule, m: LinearMatch) -> Node:
-    _register_ops()
     weight = get_attr(gm, m.weight.target)
     device = weight.device
     scale, zp = _qparams(gm, m.act, m.linear, device)
@@ -61,7 +58,6 @@ def emit_linear(gm: GraphModule, m: LinearMatch) -> Node:
 
 
 def emit_matmul(gm: GraphModule, m: MatmulMatch, device) -> Node:
-    _register_ops()
     sa, za = _qparams(gm, m.a, m.matmul, device)
     sb, zb = _qparams(gm, m.b, m.matmul, device)
     with gm.graph.inserting_before(m.matmul):
@@ -76,9 +72,6 @@ def fuse_per_token_quantize(gm: GraphModule) -> int:
     ``quantkit.quantize_per_token`` kernel, with the decomposed ops' scale formula so the
     integers and scales are the same. fp32 inputs only (the decomposed ops compute fp16
     inputs' scales in fp16). Returns the number of pairs fused."""
-    _register_ops()
-    from quantkit.kernels import DECOMPOSED
-
     q_ops = torch.ops.quantized_decomposed
     fused = 0
     for node in list(gm.graph.nodes):

@@ -36,7 +36,10 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from quantkit.kernels import _int4_cpu  # importing quantkit.kernels registers quantkit::w4a16_linear, int4_linear_cpu
+
 from .._graph import get_attr
+from .._qmath import pack_int4
 from ._registry import LoweringContext, register_lowering
 from ._triton import _buffer as _new_attr  # a uniquely named buffer and its get_attr before a node
 
@@ -124,13 +127,11 @@ def _emit_gemm(gm: GraphModule, m: WeightOnlyMatch, op, args: tuple, n: int) -> 
 
 def _lower_cpu_quantkit(gm: GraphModule, m: WeightOnlyMatch) -> Optional[Node]:
     """``quantkit::int4_linear_cpu`` on the weight repacked for it, float32/bf16 activations as they are."""
-    from quantkit.kernels._int4_cpu import BLOCK_N, pack_int4_cpu
-
     n, k = m.q.shape
-    if n % BLOCK_N or m.group_size % 8 or k % m.group_size or m.x.meta["val"].dtype not in (torch.float32,
+    if n % _int4_cpu.BLOCK_N or m.group_size % 8 or k % m.group_size or m.x.meta["val"].dtype not in (torch.float32,
                                                                                              torch.bfloat16):
         return None
-    packed, scale_zero = pack_int4_cpu(m.q, m.scale, m.zero_point, m.group_size, m.signed)
+    packed, scale_zero = _int4_cpu.pack_int4_cpu(m.q, m.scale, m.zero_point, m.group_size, m.signed)
     graph = gm.graph
     with graph.inserting_before(m.linear):
         w = _new_attr(gm, "_qk_int4cpu_packed_", packed, m.linear)
@@ -149,21 +150,19 @@ def _lower_cpu(gm: GraphModule, m: WeightOnlyMatch, int4_kernel: str = "auto",
     four_bit = m.quant_max - m.quant_min == 15
     why_aten = "int4_kernel='aten'"
     if four_bit and int4_kernel != "aten":
-        from quantkit.kernels._int4_cpu import KERNEL, status
-
-        ours = status()
+        ours = _int4_cpu.status()
         if ours.available:
             new = _lower_cpu_quantkit(gm, m)
             if new is not None:
-                choose(KERNEL, ours.reason)
+                choose(_int4_cpu.KERNEL, ours.reason)
                 return new
-            why_aten = (f"{KERNEL} needs N % 16 == 0 and a group size that is a multiple of 8 dividing K, and "
-                        f"float32/bf16 activations; got N={n}, K={k}, group_size={m.group_size}")
+            why_aten = (f"{_int4_cpu.KERNEL} needs N % 16 == 0 and a group size that is a multiple of 8 dividing K, "
+                        f"and float32/bf16 activations; got N={n}, K={k}, group_size={m.group_size}")
         elif int4_kernel == "quantkit":
             raise ValueError(f"int4_kernel='quantkit' cannot run here: {ours.reason}; use int4_kernel='auto' or "
                              "'aten'")
         else:
-            why_aten = f"{KERNEL} cannot run here: {ours.reason}"
+            why_aten = f"{_int4_cpu.KERNEL} cannot run here: {ours.reason}"
     if four_bit:
         if m.group_size not in _CPU_GROUPS or n % 16 or k % m.group_size:
             return None
@@ -187,9 +186,6 @@ def _lower_cpu(gm: GraphModule, m: WeightOnlyMatch, int4_kernel: str = "auto",
 def _lower_cuda(gm: GraphModule, m: WeightOnlyMatch) -> Optional[Node]:
     if m.quant_max - m.quant_min != 15 or m.q.shape[1] % m.group_size:
         return None
-    from quantkit.kernels import w4a16_linear  # noqa: F401  (registers quantkit::w4a16_linear)
-    from .._qmath import pack_int4
-
     packed = m.packed if m.packed is not None else pack_int4(m.q)
     graph = gm.graph
     with graph.inserting_before(m.linear):
@@ -250,9 +246,7 @@ def lower_weight_only_pass(gm: GraphModule, ctx: LoweringContext) -> dict[str, i
 
 def _warn_on_fault(chosen: dict) -> None:
     """Warn when quantkit's int4 kernel could run on this CPU but was refused or failed to build."""
-    from quantkit.kernels._int4_cpu import status
-
-    ours = status()
+    ours = _int4_cpu.status()
     if ours.fault and any(kernel == _ATEN_INT4 for kernel, _ in chosen):
         warnings.warn(f"int4 weight-only layers run aten's kernel instead of {ours.kernel}: {ours.reason}",
                       RuntimeWarning, stacklevel=3)
