@@ -44,7 +44,9 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", float_dtype: s
     An FX pass first rewrites ``dq(x) -> linear <- dq(w_int8)`` (with a following relu/gelu and
     requantize fused in) into int8 kernels: quantkit's Triton ops on CUDA (plus int8 attention
     matmuls), oneDNN ``qlinear_pointwise`` on CPU with Inductor freezing on, so the weight
-    prepack is folded. Unmatched q/dq stays as it is (reference numerics).
+    prepack is folded. Unmatched q/dq stays as it is (reference numerics). The passes are the
+    registered lowerings (``quantkit.lowering.register_lowering``: int8, weight-only, FP8, bf16 casts,
+    and any a scheme adds), run in their order with one :class:`~quantkit.lowering.LoweringContext`.
 
     Ownership: ``converted`` is never modified; the pass works on a copy (inference-only),
     and the compiled module is new.
