@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import quantkit
+from quantkit.pipeline.emit import _affine
 from quantkit.sequential import _run as _sequential
 from quantkit.sequential._run import quantize_pretrained, parse_size
 from quantkit.quantizers import QuantConfig, W8A8Quantizer
@@ -97,7 +98,7 @@ def test_sequential_equals_in_memory(checkpoints, kind, observer, monkeypatch, r
         loaded.append({self.sources[t] for t in block.attributes if t in self.sources})
 
     monkeypatch.setattr(_sequential._Run, "_load_weights", spy)
-    monkeypatch.setattr(_sequential, "_CHUNK_BYTES", 1000)  # weights are quantized in several slices
+    monkeypatch.setattr(_affine, "_CHUNK_BYTES", 1000)  # weights are quantized in several slices
     spilled: list[bool] = []
     finish = _sequential.ActivationCache.finish
     monkeypatch.setattr(_sequential.ActivationCache, "finish",

@@ -54,7 +54,7 @@ def export_bytes(layers: int) -> int:
     return (48 << 20) + (7 << 20) * layers
 
 
-# the int8 weights are quantized in 16 MiB slices (_run._CHUNK_BYTES) with float temporaries
+# the int8 weights are quantized in 16 MiB slices (pipeline.emit._affine._CHUNK_BYTES) with float temporaries
 _QUANTIZE_BYTES = 32 << 20
 # activations are float32 and each op's output lives beside its input and an observer's
 # temporaries (a min/max over a copy): measured peaks are within 2x the widths summed below

@@ -31,26 +31,23 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from quantkit.observers import QuantkitObserver
 from quantkit.observers._tokens import token_mask
 from quantkit.quantizers import W8A8Quantizer
 
 from .._errors import QuantkitError
 from .. import _hf
-from .._graph import get_attr, set_attr, unique_attr_name
-from .._qmath import is_per_channel, underlying_dtype
+from .._graph import (FOLDED_PREFIX, QPARAMS_META_KEY, QUANTIZE_OPS, constant_value, get_attr, is_calibrated,
+                      is_observer_node, set_attr, unique_attr_name)
 from ..accuracy.rounding._gptq_blocks import head_values
 from ..export import _artifact, _streamed
 from ..pipeline import _api
 from ..pipeline._calibrate import _padding_mask
-from ..pipeline._convert import (FOLDED_PREFIX, QPARAMS_META_KEY, QUANTIZE_OPS, _SUPPORTED, _constant_value, _is_calibrated,
-                                 _remove_unused_attributes, convert_in_place)
-from ..pipeline._convert_fp8 import is_float8_observer
-from ..pipeline._convert_groupwise import is_groupwise
+from ..pipeline._convert import _remove_unused_attributes, convert_in_place
+from ..pipeline.emit import emitter_for
 from ..pipeline._hooks import BlockRun, calibration_hooks
 from ..pipeline._meta_capture import CheckpointIndex, capture_without_weights, empty_model, index_checkpoint
 from ..pipeline._partition import Block, partition, run_block
-from ..pipeline._prepare import is_observer_node, prepare_in_place
+from ..pipeline._prepare import prepare_in_place
 from . import _gptq  # noqa: F401  (registers GPTQ's after_block hook)
 from ._budget import CACHE_SHARE, IN_MEMORY_FACTOR, bound_heap, plan_memory
 from ._files import digest_of, model_files_fingerprint
@@ -266,63 +263,27 @@ def _is_fake(t) -> bool:
     return isinstance(t, FakeTensor)
 
 
-def _folds(obs) -> bool:
-    """Whether convert folds ``obs``'s constant input into an integer tensor (its static branch)."""
-    dtype = underlying_dtype(getattr(obs, "dtype", torch.float32))
-    own_convert = hasattr(obs, "convert") and not isinstance(obs, QuantkitObserver)
-    return (not own_convert and not is_groupwise(obs) and not is_float8_observer(obs) and dtype in _SUPPORTED
-            and not getattr(obs, "is_dynamic", False))
-
-
-# rows quantized at once: the quantize ops make float temporaries the size of their input
-_CHUNK_BYTES = 16 << 20
-
-
-def _quantized_weight(obs, const: torch.Tensor) -> torch.Tensor:
-    """The integer tensor convert folds for observer ``obs`` of the constant ``const``: the same
-    qparams and quantize op as ``quantkit.convert``'s static branch, run on slices of at most
-    ``_CHUNK_BYTES`` (element-wise ops: the same values, without full-size float temporaries)."""
-    ops = torch.ops.quantized_decomposed
-    dtype = underlying_dtype(obs.dtype)
-    scale, zp = obs.calculate_qparams()
-    const = const.detach()
-    per_channel = is_per_channel(obs.qscheme)
-    axis = int(obs.ch_axis) if per_channel else 0
-    if const.dim() == 0:
-        return ops.quantize_per_tensor.default(const, float(scale), int(zp), obs.quant_min, obs.quant_max, dtype)
-    out = torch.empty(const.shape, dtype=dtype)
-    step = max(1, _CHUNK_BYTES // max(1, const.numel() // max(1, const.shape[axis]) * const.element_size()))
-    for start in range(0, const.shape[axis], step):
-        part = const.narrow(axis, start, min(step, const.shape[axis] - start))
-        if per_channel:
-            q = ops.quantize_per_channel.default(part, scale[start:start + step].detach().clone(),
-                                                 zp[start:start + step].detach().clone(), axis,
-                                                 obs.quant_min, obs.quant_max, dtype)
-        else:
-            q = ops.quantize_per_tensor.default(part, float(scale), int(zp), obs.quant_min, obs.quant_max, dtype)
-        out.narrow(axis, start, q.shape[axis]).copy_(q)
-    return out
-
-
 def _check_weight_observers(prepared: GraphModule) -> None:
     """Refuse, before any block runs, weights this path cannot quantize block by block: those of
-    observers convert does not fold to integers itself (group-wise / torchao observers with their
-    own ``convert``, float16), and weights to be rounded by GPTQ or AWQ (a whole-model pass in
-    ``quantkit.calibrate``)."""
+    observers whose convert emitter neither folds the weight to integers (``folds_weight``: the
+    ``"affine"`` kind) nor emits from the weight alone (``emits_from_weight``: ``"groupwise"``, see
+    ``_groupwise``), e.g. torchao observers with their own ``convert`` or float16, and weights to be
+    rounded by AWQ (a whole-model pass in ``quantkit.calibrate``)."""
     modules = dict(prepared.named_modules())
     memo: dict = {}
     for node in prepared.graph.nodes:
         if not is_observer_node(node, modules):
             continue
         obs = modules[str(node.target)]
-        if not isinstance(_constant_value(prepared, node.args[0], memo), torch.Tensor):
+        if not isinstance(constant_value(prepared, node.args[0], memo), torch.Tensor):
             continue
         where = getattr(obs, "node_name", node.name)
         algorithm = getattr(obs, "weight_algorithm", "rtn") or "rtn"
         if algorithm not in ("rtn", "gptq"):  # GPTQ: sequential._gptq.SequentialGPTQ
             raise QuantkitError(f"weight_algorithm={algorithm!r} (weight at {where!r}) is not supported block by "
                                 "block yet; use 'rtn' or 'gptq', or quantize in memory")
-        if not _folds(obs) and not is_groupwise(obs):  # group-wise: sequential._groupwise
+        emitter = emitter_for(obs)
+        if not (emitter.folds_weight(obs) or emitter.emits_from_weight(obs)):
             kind = str(getattr(obs, "dtype", "")).replace("torch.", "")
             raise QuantkitError(f"the weight at {where!r} is quantized by {type(obs).__name__} ({kind}), which "
                                 "block-by-block quantization does not support (int8/uint8 weights of quantkit's "
@@ -472,14 +433,15 @@ class _Run:
             if not is_observer_node(node, modules):
                 continue
             obs = modules[str(node.target)]
-            const = _constant_value(gm, node.args[0], memo)
-            if not isinstance(const, torch.Tensor) or not _folds(obs):
+            const = constant_value(gm, node.args[0], memo)
+            emitter = emitter_for(obs)
+            if not isinstance(const, torch.Tensor) or not emitter.folds_weight(obs):
                 continue
             if _is_fake(const):
                 raise QuantkitError(f"weight of observer {getattr(obs, 'node_name', node.name)!r} was not loaded")
-            if not _is_calibrated(obs):
+            if not is_calibrated(obs):
                 obs(const)
-            out[f"q:{block.origin[node.args[0].name].name}"] = _quantized_weight(obs, const)
+            out[f"q:{block.origin[node.args[0].name].name}"] = emitter.quantized_weight(obs, const)
             folded_inputs.add(node.args[0])
         for node in gm.graph.nodes:
             if node.op != "get_attr" or str(node.target) not in self.sources:
