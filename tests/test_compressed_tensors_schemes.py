@@ -457,3 +457,17 @@ def test_cli_refuses_unexpressible_recipes_before_loading(bert, tmp_path, capsys
                  "--format", "compressed-tensors"] + flags) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and err.count("\n") == 0 and not out.exists()
+
+
+def test_every_dequantize_op_has_one_reader():
+    """The export reads each dequantize through the reader registered for its op (export/_ct_schemes.py):
+    quantkit's int8, FP8, group-wise and NF4 ops all have one, and an op cannot get a second."""
+    from quantkit import _graph
+    from quantkit.export import _ct_plan, _ct_schemes  # noqa: F401  (_ct_plan registers the int8 reader)
+
+    ops = _graph.DEQUANTIZE_OPS | _graph.FLOAT8_DEQUANTIZE_OPS | _graph.GROUPWISE_DEQUANTIZE_OPS
+    assert all(_ct_schemes.reader_for(op) is not None for op in ops)
+    assert _ct_schemes.reader_for(QD.quantize_per_tensor.default) is None
+    with pytest.raises(ValueError, match="already registered"):
+        _ct_schemes.register_reader(GROUP_DQ)(lambda gm, dq: (_ct_schemes.UNKNOWN, "mine"))
+    assert _ct_schemes.reader_for(GROUP_DQ).__name__ == "_read_group"
