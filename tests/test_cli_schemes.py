@@ -11,12 +11,12 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from quantkit.cli import main
 from quantkit.cli._main import _build_parser
 from quantkit.cli._quantize import Recipe
 from quantkit.quantizers import FP8Config, SchemeConfig, available_schemes, get_scheme
+from tests.cli_factories import mlp_quantize_args, write_mlp_inputs
 
 RECORDED = json.loads((Path(__file__).with_name("data") / "cli_recipes_pre_registry.json").read_text())
 
@@ -49,31 +49,12 @@ def test_recipe_scheme_config(extra, expected):
     assert SchemeConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
 
 
-@pytest.fixture
-def mlp_files(tmp_path):
-    from safetensors.torch import save_file
-
-    from tests.cli_factories import mlp
-
-    torch.manual_seed(1)
-    weights = tmp_path / "mlp.safetensors"
-    save_file(mlp().state_dict(), str(weights))
-    calib = tmp_path / "calib"
-    calib.mkdir()
-    gen = torch.Generator().manual_seed(0)
-    for i in range(3):
-        torch.save(torch.randn(16, 64, generator=gen), calib / f"b{i}.pt")
-    return weights, calib
-
-
 @pytest.mark.parametrize("scheme", ["w8a8-dynamic", "w8a16"])
-def test_quantization_json_records_the_config_and_load_rebuilds_it(mlp_files, tmp_path, scheme):
+def test_quantization_json_records_the_config_and_load_rebuilds_it(tmp_path, scheme):
     import quantkit
 
-    weights, calib = mlp_files
     out = tmp_path / scheme
-    assert main(["quantize", "tests.cli_factories:mlp", "--weights", str(weights), "--example-input", "8x64:float32",
-                 "--calib", str(calib), "--out", str(out), "--quiet", "--scheme", scheme]) == 0
+    assert main(mlp_quantize_args(*write_mlp_inputs(tmp_path, 48), out, "--scheme", scheme)) == 0
     doc = json.loads((out / "quantization.json").read_text())
     assert doc["recipe"]["scheme"] == scheme
     assert doc["config"] == get_scheme(scheme).to_dict()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.fx import GraphModule, Node
 from torchao.quantization.pt2e.observer import ObserverBase
 from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, QuantizationSpec, Quantizer
@@ -263,20 +264,13 @@ def test_quantize_with_the_scheme_name_records_its_config(tmp_path):
 
 
 def test_the_command_line_runs_the_registered_scheme(tmp_path, capsys):
-    from safetensors.torch import save_file
+    from tests.cli_factories import mlp, mlp_quantize_args, write_mlp_inputs
 
-    from tests.cli_factories import mlp
-
-    torch.manual_seed(1)
+    weights, calib = write_mlp_inputs(tmp_path, 48)
     model = mlp()
-    save_file(model.state_dict(), str(tmp_path / "mlp.safetensors"))
-    (tmp_path / "calib").mkdir()
-    gen = torch.Generator().manual_seed(0)
-    for i in range(3):
-        torch.save(torch.randn(16, 64, generator=gen), tmp_path / "calib" / f"b{i}.pt")
+    model.load_state_dict(load_file(str(weights)))
     out = tmp_path / "toy-int3"
-    args = ["quantize", "tests.cli_factories:mlp", "--weights", str(tmp_path / "mlp.safetensors"),
-            "--example-input", "8x64:float32", "--calib", str(tmp_path / "calib"), "--out", str(out), "--quiet"]
+    args = mlp_quantize_args(weights, calib, out)
     assert main(args + ["--scheme", SCHEME, "--skip", "fc3"]) == 0, capsys.readouterr().err
     doc = json.loads((out / "quantization.json").read_text())
     assert doc["recipe"]["scheme"] == SCHEME and doc["recipe"]["skip"] == ["fc3"]
@@ -290,7 +284,7 @@ def test_the_command_line_runs_the_registered_scheme(tmp_path, capsys):
     ref = _reference_model(model)
     with torch.no_grad():  # fc3 float in the artifact: the reference keeps it float too
         ref.fc3.weight.copy_(model.fc3.weight.double())
-        x = torch.randn(4, 64, generator=gen)
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(2))
         torch.testing.assert_close(loaded(x), ref(x.double()).float(), rtol=1e-5, atol=1e-5)
 
     # the recipe flags of the built-in schemes are refused in one line
