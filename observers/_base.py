@@ -11,7 +11,7 @@ from quantkit._qmath import DEFAULT_EPS, choose_qparams, default_qrange, is_per_
 
 from ._tokens import real_tokens
 
-__all__ = ["QuantkitObserver", "PER_TENSOR", "PER_CHANNEL", "PER_TOKEN", "declared_qscheme", "empty_message"]
+__all__ = ["QuantkitObserver", "StatelessObserver", "PER_TENSOR", "PER_CHANNEL", "PER_TOKEN", "declared_qscheme", "empty_message"]
 
 _QSCHEMES = (
     torch.per_tensor_affine,
@@ -255,3 +255,19 @@ class QuantkitObserver(ObserverBase):
             f"dtype={self.dtype}, qscheme={self.qscheme}, quant_min={self.quant_min}, "
             f"quant_max={self.quant_max}, node={self.node_name!r}"
         )
+
+
+class StatelessObserver(QuantkitObserver):
+    """An observer that records nothing: its input passes through, it is always calibrated and
+    merges nothing (dynamic placeholders, fixed qparams, qparams derived from other observers).
+    A subclass gives ``calculate_qparams`` (and may narrow ``calibrated``)."""
+
+    @property
+    def calibrated(self) -> bool:
+        return True
+
+    def forward(self, x):
+        return x
+
+    def _merge(self, other) -> None:
+        pass

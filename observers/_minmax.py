@@ -8,7 +8,7 @@ from quantkit._errors import ConvertError
 from quantkit._qdq import emit_dynamic
 from quantkit._qmath import is_per_channel, underlying_dtype
 
-from ._base import PER_TENSOR, PER_TOKEN, QuantkitObserver
+from ._base import PER_TENSOR, PER_TOKEN, QuantkitObserver, StatelessObserver
 from ._history import BatchHistory
 from ._registry import register
 
@@ -208,7 +208,7 @@ class MovingAveragePerChannelMinMaxObserver(PerChannelMinMaxObserver):
 
 
 @register("placeholder")
-class PlaceholderObserver(QuantkitObserver):
+class PlaceholderObserver(StatelessObserver):
     """Marks a tensor for dynamic quantization: records nothing, qparams are
     computed at run time by ``choose_qparams`` in the converted graph
     (``choose_qparams_per_token`` with ``per_token=True``: one scale per row of the
@@ -235,16 +235,6 @@ class PlaceholderObserver(QuantkitObserver):
     @property
     def granularity(self) -> str:
         return PER_TOKEN if self.per_token else PER_TENSOR
-
-    @property
-    def calibrated(self) -> bool:
-        return True
-
-    def forward(self, x):
-        return x
-
-    def _merge(self, other) -> None:
-        pass
 
     def calculate_qparams(self):
         raise ConvertError(

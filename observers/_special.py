@@ -6,12 +6,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from ._base import QuantkitObserver
+from ._base import StatelessObserver
 
 __all__ = ["FixedQParamsObserver", "DerivedObserver"]
 
 
-class FixedQParamsObserver(QuantkitObserver):
+class FixedQParamsObserver(StatelessObserver):
     """Qparams given up front (e.g. sigmoid outputs in [0, 1]); observes nothing."""
 
     def __init__(self, scale: float, zero_point: int, dtype=torch.quint8,
@@ -23,21 +23,11 @@ class FixedQParamsObserver(QuantkitObserver):
         self.register_buffer("scale", torch.tensor([float(scale)], dtype=torch.float32))
         self.register_buffer("zero_point", torch.tensor([int(zero_point)], dtype=torch.int64))
 
-    @property
-    def calibrated(self) -> bool:
-        return True
-
-    def forward(self, x):
-        return x
-
-    def _merge(self, other) -> None:
-        pass
-
     def calculate_qparams(self):
         return self.scale, self.zero_point
 
 
-class DerivedObserver(QuantkitObserver):
+class DerivedObserver(StatelessObserver):
     """Qparams computed from other observers by ``derive_qparams_fn(observers)``.
 
     Used for ``DerivedQuantizationSpec``, typically an int32 bias whose scale is
@@ -58,12 +48,6 @@ class DerivedObserver(QuantkitObserver):
     @property
     def calibrated(self) -> bool:
         return all(getattr(o, "calibrated", True) for o in self._sources)
-
-    def forward(self, x):
-        return x
-
-    def _merge(self, other) -> None:
-        pass
 
     def calculate_qparams(self):
         scale, zero_point = self.derive_qparams_fn(self._sources)
