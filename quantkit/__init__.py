@@ -1,18 +1,31 @@
-"""quantkit: PT2E-style post-training int8 quantization for PyTorch.
+"""quantkit: PT2E-style post-training quantization for PyTorch.
 
-The flow::
+One call quantizes a model with a registered scheme (``quantkit.available_schemes()``: w8a8,
+w8a8-dynamic, w8a8-per-token, w4a16, w8a16, nf4, fp8, fp8-dynamic) or a quantizer::
 
-    gm = quantkit.capture(model, example_inputs)         # torch.export
-    prepared = quantkit.prepare(gm, W8A8Quantizer())      # annotate + observers
-    quantkit.calibrate(prepared, calib_batches)          # observe ranges
-    qmodel = quantkit.convert(prepared)                   # quantize/dequantize + int8 weights
+    qmodel = quantkit.quantize(model, example_inputs, calib_batches, scheme="w4a16")
 
-or ``quantkit.quantize(model, example_inputs, calib_batches)`` for all four;
-``quantkit.save(qmodel, dir)`` / ``quantkit.load(dir)`` write and read a deployable
-int8 directory (the ``quantkit`` command line does it all from a checkpoint).
+The stages it runs, each usable alone::
+
+    gm = quantkit.capture(model, example_inputs)         # -> GraphModule (torch.export)
+    prepared = quantkit.prepare(gm, W8A8Quantizer())      # -> GraphModule with observers (a copy)
+    quantkit.calibrate(prepared, calib_batches)          # -> prepared itself (observers record ranges)
+    qmodel = quantkit.convert(prepared)                   # -> GraphModule with q/dq ops and int8 weights
+    fast = quantkit.compile(qmodel)                       # -> compiled module (int8/int4/FP8 kernels)
+
+``quantkit.save(qmodel, dir)`` writes a deployable directory (model.pt2 + quantization.json,
+which records the scheme's config); ``quantkit.load(dir)`` returns the model as a module whose
+``meta["quantkit_config"]`` is that config. ``quantkit.quantize_pretrained(path, calib)`` quantizes
+a Hugging Face checkpoint (block by block when it does not fit in memory); the ``quantkit``
+command line does it all from a checkpoint.
+
+Schemes (``quantkit.quantizers``): ``get_scheme(name)`` returns a preset's ``SchemeConfig``
+(``QuantConfig``, ``WeightOnlyConfig``, ``FP8Config``: frozen, ``to_dict()``/``from_dict()``);
+``register_scheme(name, config, description=...)`` adds one.
 
 Accuracy tools: ``quantkit.debug.compare`` (per-layer numerics), ``quantkit.sensitivity``,
-``quantkit.auto_fallback`` (float fallback to an accuracy budget), ``quantkit.smooth_quant``.
+``quantkit.auto_fallback`` (float fallback to an accuracy budget), ``quantkit.smooth_quant``,
+``quantkit.autotune`` (the fastest recipe meeting a target).
 """
 
 from . import _quiet  # noqa: F401  (first: imports torchao without its import-time log noise)
@@ -32,6 +45,7 @@ from .accuracy._sensitivity import sensitivity
 from .accuracy._fallback import auto_fallback
 from .accuracy._smoothquant import smooth_quant
 from .accuracy._autotune import autotune
+from .quantizers._scheme import SchemeConfig, available_schemes, get_scheme, register_scheme
 from . import debug, metrics
 
 __version__ = "0.1.0"
@@ -55,6 +69,10 @@ __all__ = [
     "auto_fallback",
     "smooth_quant",
     "autotune",
+    "SchemeConfig",
+    "available_schemes",
+    "get_scheme",
+    "register_scheme",
     "QuantkitError",
     "CaptureError",
     "CalibrationError",

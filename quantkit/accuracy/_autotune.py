@@ -11,6 +11,7 @@ its metric and latency, and why the winner won.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -21,6 +22,8 @@ import torch
 from torch.fx import GraphModule
 
 from .._errors import QuantkitError
+from ..quantizers._config import QuantConfig
+from ..quantizers._scheme import get_scheme
 from ._metrics import Evaluator, reiterable
 
 __all__ = ["AutoRecipe", "RECIPES", "Trial", "AutotuneReport", "autotune", "search", "recipe_names",
@@ -36,17 +39,35 @@ SPEED_MARGIN = 0.05
 
 @dataclass(frozen=True)
 class AutoRecipe:
-    """One candidate recipe: the :class:`~quantkit.quantizers.QuantConfig` fields it sets,
-    SmoothQuant before it, and whether the most sensitive layers fall back to float."""
+    """One candidate recipe: a scheme (a registered :class:`~quantkit.quantizers.QuantConfig` preset or
+    a variant of one), SmoothQuant before it, and whether the most sensitive layers fall back to float."""
 
     name: str
     summary: str
-    act_observer: str = "minmax"
-    dynamic: bool = False
-    granularity: str = "per-tensor"
+    scheme: QuantConfig = field(default_factory=lambda: get_scheme("w8a8"))
     smoothquant: float | str | None = None
-    weight_algorithm: str = "rtn"
     fallback: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scheme, QuantConfig):
+            raise TypeError(f"an autotune recipe's scheme is a QuantConfig, got {type(self.scheme).__name__}")
+
+    # the scheme's fields the command line's recipe takes (cli/_autotune.py)
+    @property
+    def act_observer(self) -> str:
+        return self.scheme.act_observer
+
+    @property
+    def dynamic(self) -> bool:
+        return self.scheme.dynamic
+
+    @property
+    def granularity(self) -> str:
+        return self.scheme.granularity.value
+
+    @property
+    def weight_algorithm(self) -> str:
+        return self.scheme.weight_algorithm
 
     @property
     def lowering(self) -> str:
@@ -56,25 +77,24 @@ class AutoRecipe:
             return "per-token" if self.granularity == "per-token" else "dynamic"
         return "static"
 
-    def config(self, ops=None):
-        from quantkit.quantizers import QuantConfig
-
-        kw = {} if ops is None else {"ops": frozenset(ops)}
-        if self.weight_algorithm != "rtn":
-            kw["weight_algorithm"] = self.weight_algorithm
-        return QuantConfig(act_observer=self.act_observer, dynamic=self.dynamic,
-                           granularity=self.granularity, **kw)
+    def config(self, ops=None) -> QuantConfig:
+        """The scheme, restricted to the op families ``ops`` when given."""
+        return self.scheme if ops is None else dataclasses.replace(self.scheme, ops=frozenset(ops))
 
 
+_STATIC, _PER_TOKEN = get_scheme("w8a8"), get_scheme("w8a8-per-token")
 _ALL = (
-    AutoRecipe("static", "static per-tensor activations, min-max ranges"),
-    AutoRecipe("static-smoothquant", "SmoothQuant (alpha 0.5), then static per-tensor", smoothquant=0.5),
-    AutoRecipe("histogram", "static per-tensor activations, histogram (L2-optimal) ranges", act_observer="histogram"),
-    AutoRecipe("per-token", "dynamic per-token activations", dynamic=True, granularity="per-token"),
-    AutoRecipe("per-token-smoothquant", "SmoothQuant (alpha auto), then dynamic per-token",
-               dynamic=True, granularity="per-token", smoothquant="auto"),
-    AutoRecipe("gptq", "static per-tensor activations, GPTQ-rounded weights", weight_algorithm="gptq"),
-    AutoRecipe("fallback", "the most accurate static recipe with its most sensitive layers float", fallback=True),
+    AutoRecipe("static", "static per-tensor activations, min-max ranges", _STATIC),
+    AutoRecipe("static-smoothquant", "SmoothQuant (alpha 0.5), then static per-tensor", _STATIC, smoothquant=0.5),
+    AutoRecipe("histogram", "static per-tensor activations, histogram (L2-optimal) ranges",
+               dataclasses.replace(_STATIC, act_observer="histogram")),
+    AutoRecipe("per-token", "dynamic per-token activations", _PER_TOKEN),
+    AutoRecipe("per-token-smoothquant", "SmoothQuant (alpha auto), then dynamic per-token", _PER_TOKEN,
+               smoothquant="auto"),
+    AutoRecipe("gptq", "static per-tensor activations, GPTQ-rounded weights",
+               dataclasses.replace(_STATIC, weight_algorithm="gptq")),
+    AutoRecipe("fallback", "the most accurate static recipe with its most sensitive layers float", _STATIC,
+               fallback=True),
 )
 
 
@@ -387,8 +407,8 @@ def _quick(r: AutoRecipe, gm, example_inputs, calib):
     from quantkit.quantizers import W8A8Quantizer
 
     base = RECIPES["static"] if r.fallback else r
-    return quantize(gm, example_inputs, calib[:1], W8A8Quantizer(AutoRecipe("t", "", dynamic=base.dynamic,
-                                                                            granularity=base.granularity).config()),
+    return quantize(gm, example_inputs, calib[:1], W8A8Quantizer(QuantConfig(dynamic=base.dynamic,
+                                                                             granularity=base.granularity)),
                     progress=False)
 
 
