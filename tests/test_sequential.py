@@ -293,3 +293,23 @@ def test_partition_finds_the_layers_from_the_graph(tmp_path, layers, unit):
         assert b.attributes and all(a.startswith(f"model.layers.{i}.") for a in b.attributes)
         assert len(b.inputs) >= 3  # hidden states, mask, rotary cos and sin cross the boundary
     assert "lm_head.weight" in blocks[-1].attributes and "model.embed_tokens.weight" in blocks[0].attributes
+
+
+def test_config_is_a_preset_name_or_a_scheme_config(checkpoints, tmp_path):
+    """quantize_pretrained(config=) gives its quantizer's model on both paths and records the config;
+    quantizer= with config=, or an unknown name, is one line."""
+    from quantkit.quantizers import get_scheme
+    from quantkit.quantizers._scheme import SchemeError
+
+    path, batches = checkpoints["llama"], _batches("llama")
+    seq = quantize_pretrained(path, batches, config="w8a8", sequential=True, progress=False)
+    ref = quantize_pretrained(path, batches, W8A8Quantizer(), sequential=True, progress=False)
+    _assert_same_model(seq, ref, seq.meta["quantkit_qparams"], ref.meta["quantkit_qparams"])
+    assert seq.meta["quantkit_config"] == get_scheme("w8a8")
+    out = quantize_pretrained(path, batches, config=get_scheme("w8a8"), sequential=False, out=tmp_path / "a",
+                              progress=False)
+    assert quantkit.load(out).meta["quantkit_config"] == get_scheme("w8a8")
+    with pytest.raises(SchemeError, match="pass quantizer= or config=, not both"):
+        quantize_pretrained(path, batches, W8A8Quantizer(), config="w8a8")
+    with pytest.raises(SchemeError, match="w9a9.*w8a8"):
+        quantize_pretrained(path, batches, config="w9a9")

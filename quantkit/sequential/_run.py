@@ -33,6 +33,7 @@ from torch.fx import GraphModule
 
 from quantkit.observers._tokens import token_mask
 from quantkit.quantizers import W8A8Quantizer
+from quantkit.quantizers._scheme import CONFIG_META_KEY, SchemeConfig, SchemeError, as_config
 
 from .._errors import QuantkitError
 from .. import _hf
@@ -115,7 +116,7 @@ def quantize_pretrained(model_dir: str | os.PathLike, calib_data: Iterable, quan
                         max_memory: int | str | None = None, out: str | os.PathLike | None = None,
                         sequential: bool | None = None, resume: bool = False, overwrite: bool = False,
                         task: str = "auto", progress: bool = True, recipe: dict | None = None,
-                        dynamic_shapes=None, source: dict | None = None):
+                        dynamic_shapes=None, source: dict | None = None, config: str | SchemeConfig | None = None):
     """Quantize the Hugging Face checkpoint in ``model_dir``, block by block when it does not fit.
 
     With ``max_memory`` smaller than the in-memory path needs (measured from the checkpoint's
@@ -130,6 +131,10 @@ def quantize_pretrained(model_dir: str | os.PathLike, calib_data: Iterable, quan
         calib_data: an iterable of calibration batches (tokenizer outputs as dicts, tensors
             or tuples); the first batch is the example the model is captured with.
         quantizer: defaults to ``W8A8Quantizer()``.
+        config: instead of ``quantizer``: a registered preset name (``"w4a16"``, ...; see
+            ``quantkit.quantizers.available_schemes()``) or a ``SchemeConfig``, whose
+            ``quantizer()`` is used; the result's ``meta["quantkit_config"]`` (and the artifact's
+            ``quantization.json``) records it, and a resumed run must have the same one.
         max_memory: the memory budget (bytes, or a size such as ``"4GiB"``); also bounds the
             activations cached in memory (``_budget.CACHE_SHARE`` of it twice; the rest spill to disk).
         out: write the artifact (``model.pt2`` + ``quantization.json``) there, atomically;
@@ -156,10 +161,17 @@ def quantize_pretrained(model_dir: str | os.PathLike, calib_data: Iterable, quan
     Raises:
         QuantkitError: a checkpoint tensor is missing or mis-shaped (named; nothing is
             written), or the model cannot be cut into blocks (one line each).
+        SchemeError: both ``quantizer`` and ``config``, or an unknown preset name (one line).
 
     Example:
         >>> quantkit.quantize_pretrained("llama-7b", batches, max_memory="4GiB", out="llama-int8")
+        >>> quantkit.quantize_pretrained("llama-7b", batches, config="w4a16", out="llama-w4a16")
     """
+    if quantizer is not None and config is not None:
+        raise SchemeError("pass quantizer= or config=, not both (a config builds its own quantizer)")
+    if config is not None:
+        config = as_config(config)
+        quantizer = config.quantizer()
     model_dir = Path(model_dir)
     _hf.check_hf_dir(model_dir)
     budget = parse_size(max_memory) if max_memory is not None else None
@@ -179,9 +191,9 @@ def quantize_pretrained(model_dir: str | os.PathLike, calib_data: Iterable, quan
         bound_heap()  # freed block weights go back to the system, not to a heap that stays resident
     if not sequential:
         return _in_memory(model_dir, batches, quantizer, out, overwrite, task, progress, recipe, dynamic_shapes,
-                          source)
+                          source, config)
     return _Run(model_dir, batches, quantizer, budget, out, resume, overwrite, task, progress, recipe,
-                dynamic_shapes, source).run()
+                dynamic_shapes, source, config).run()
 
 
 def _batch_dims(batch) -> tuple[int, int]:
@@ -204,9 +216,12 @@ def _default_dynamic_shapes(batches: list):
     return _hf.dynamic_shapes(batches[0])
 
 
-def _in_memory(model_dir, batches, quantizer, out, overwrite, task, progress, recipe, dynamic_shapes, source):
+def _in_memory(model_dir, batches, quantizer, out, overwrite, task, progress, recipe, dynamic_shapes, source,
+               config=None):
     model, _, _ = _hf.load_hf_checkpoint(model_dir, task=task, progress=progress)
     qmodel = _api.quantize(model, batches[0], batches, quantizer, progress=progress, dynamic_shapes=dynamic_shapes)
+    if config is not None:
+        qmodel.meta[CONFIG_META_KEY] = config
     if out is None:
         return qmodel
     program = _artifact.export_converted(qmodel)
@@ -292,8 +307,8 @@ def _check_weight_observers(prepared: GraphModule) -> None:
 
 class _Run:
     def __init__(self, model_dir, batches, quantizer, budget, out, resume, overwrite, task, progress, recipe,
-                 dynamic_shapes, source):
-        self.model_dir, self.batches, self.quantizer = model_dir, batches, quantizer
+                 dynamic_shapes, source, config=None):
+        self.model_dir, self.batches, self.quantizer, self.config = model_dir, batches, quantizer, config
         self.dynamic_shapes, self.source = dynamic_shapes, source
         self.budget, self.out, self.resume, self.overwrite = budget, out, resume, overwrite
         self.task, self.progress, self.recipe = task, progress, recipe
@@ -338,6 +353,7 @@ class _Run:
         the recipe, the task, the calibration data, and the quantkit and torch versions."""
         return {**model_files_fingerprint(self.model_dir, {f for f, _, _ in index.entries.values()}),
                 "recipe": self.recipe or _recipe_of(self.quantizer), "task": self.task,
+                **({} if self.config is None else {"config": self.config.to_dict()}),
                 "calibration": digest_of(self.batches), "quantkit": _version("quantkit"), "torch": torch.__version__}
 
     def _calibrate(self, partial: PartialDir, done: int) -> None:
@@ -494,6 +510,8 @@ class _Run:
                     raise QuantkitError(f"internal: no stored value for {name!r}")
                 streamed[name] = (stored[f"f:{name}"][0], f"f:{name}")
 
+        if self.config is not None:
+            converted.meta[CONFIG_META_KEY] = self.config
         if self.out is None:
             return _streamed.load_streamed(converted, streamed)
         _streamed.write_streamed_artifact(converted, streamed, self.out, overwrite=self.overwrite, recipe=self.recipe,
