@@ -31,6 +31,7 @@ from ._scheme import (
     quantizer_for,
     register_scheme,
     scheme_info,
+    unregister_scheme,
 )
 from ._config import QUANTIZABLE_OPS, ActivationScheme, Granularity, QuantConfig
 from ._embedding import EmbeddingQuantizer
@@ -63,6 +64,7 @@ __all__ = [
     "SchemeError",
     "SchemeInfo",
     "register_scheme",
+    "unregister_scheme",
     "get_scheme",
     "scheme_info",
     "available_schemes",

@@ -22,7 +22,8 @@ from typing import Any, Callable, ClassVar
 
 from quantkit._errors import QuantkitError
 
-__all__ = ["SchemeConfig", "SchemeError", "SchemeInfo", "register_scheme", "get_scheme", "available_schemes",
+__all__ = ["SchemeConfig", "SchemeError", "SchemeInfo", "register_scheme", "unregister_scheme", "get_scheme",
+           "available_schemes",
            "scheme_info", "as_config", "config_types", "quantizer_for", "CONFIG_META_KEY"]
 
 # GraphModule.meta key holding the SchemeConfig a model was quantized with (quantkit.quantize(scheme=...),
@@ -137,6 +138,12 @@ def register_scheme(name: str, config: SchemeConfig, *, description: str) -> Sch
         raise SchemeError(f"scheme {name!r} is already registered (as {old.config!r})")
     _SCHEMES[name] = SchemeInfo(name, config, description.strip())
     return config
+
+
+def unregister_scheme(name: str) -> None:
+    """Remove the preset ``name`` (a no-op if it is not registered): for a plugin or a test that
+    registered one only for a while."""
+    _SCHEMES.pop(name, None)
 
 
 def available_schemes() -> list[str]:

@@ -31,7 +31,7 @@ import quantkit
 from quantkit.cli import main
 from quantkit.lowering import register_lowering, unregister_lowering
 from quantkit.pipeline.emit import Emitter, register_emitter
-from quantkit.quantizers import SchemeConfig, available_schemes, get_scheme, register_scheme
+from quantkit.quantizers import SchemeConfig, available_schemes, get_scheme, register_scheme, unregister_scheme
 from tests.models import make_mlp
 
 aten = torch.ops.aten
@@ -169,7 +169,12 @@ def lower_toy(gm: GraphModule, ctx) -> dict[str, int]:
     return {"toy_dequant": count}
 
 
-register_scheme(SCHEME, ToyConfig(bits=3), description="toy: 3-bit symmetric per-tensor linear weights (a test)")
+@pytest.fixture(autouse=True, scope="module")
+def toy_scheme():
+    """The preset, registered while this file's tests run (other files see only the built-in ones)."""
+    register_scheme(SCHEME, ToyConfig(bits=3), description="toy: 3-bit symmetric per-tensor linear weights (a test)")
+    yield
+    unregister_scheme(SCHEME)
 
 
 @pytest.fixture
@@ -205,7 +210,7 @@ def _codes(gm) -> list[torch.Tensor]:
 
 # --- the stages ---------------------------------------------------------------------------------
 def test_the_toy_scheme_is_registered():
-    assert SCHEME in available_schemes()
+    assert available_schemes()[-1] == SCHEME
     config = get_scheme(SCHEME)
     assert SchemeConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     with pytest.raises(ValueError, match="toy bits must be 2, 3 or 4"):

@@ -91,7 +91,8 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
     schemes = "; ".join(f"{n} ({scheme_info(n).description})" for n in available_schemes()).replace("%", "%%")
     recipe.add_argument("--scheme", choices=available_schemes(), metavar="NAME",
                         help=f"a registered scheme (quantkit.quantizers.available_schemes()): {schemes}. w8a8 is "
-                             "the default; w8a8-dynamic = --dynamic, w8a8-per-token = --dynamic --granularity per-token")
+                             "the default; w8a8-dynamic = --dynamic, w8a8-per-token = --dynamic --granularity "
+                             "per-token")
     recipe.add_argument("--kv-cache", choices=["fp8_e4m3", "fp8_e5m2", "int8"],
                         help="FP8 schemes: calibrated per-tensor scales for every attention's keys and values "
                              "(q/dq on K after rotary, and on V), recorded in quantization.json")

@@ -21,6 +21,7 @@ from quantkit.quantizers import (
     get_scheme,
     register_scheme,
     scheme_info,
+    unregister_scheme,
 )
 
 BUILT_IN = ["w8a8", "w8a8-dynamic", "w8a8-per-token", "w4a16", "w8a16", "nf4", "fp8", "fp8-dynamic"]
@@ -111,6 +112,14 @@ def test_register_scheme_refusals():
     with pytest.raises(SchemeError, match="one-line description"):
         register_scheme("no-description", QuantConfig(), description=" ")
     assert "not-a-config" not in available_schemes()
+
+
+def test_unregister_scheme():
+    register_scheme("w8a8-for-a-while", QuantConfig(act_observer="histogram"), description="a test's preset")
+    assert get_scheme("w8a8-for-a-while").act_observer == "histogram"
+    unregister_scheme("w8a8-for-a-while")
+    unregister_scheme("w8a8-for-a-while")  # absent: a no-op
+    assert "w8a8-for-a-while" not in available_schemes()
 
 
 def test_a_config_type_name_is_taken_once():
