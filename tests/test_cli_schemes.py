@@ -59,3 +59,14 @@ def test_quantization_json_records_the_config_and_load_rebuilds_it(tmp_path, sch
     assert doc["recipe"]["scheme"] == scheme
     assert doc["config"] == get_scheme(scheme).to_dict()
     assert quantkit.load(out).meta["quantkit_config"] == get_scheme(scheme)
+
+
+def test_eval_of_an_artifact_whose_config_is_damaged_is_one_line(tmp_path, capsys):
+    out = tmp_path / "w8a16"
+    assert main(mlp_quantize_args(*write_mlp_inputs(tmp_path, 48), out, "--scheme", "w8a16")) == 0
+    doc = json.loads((out / "quantization.json").read_text())
+    (out / "quantization.json").write_text(json.dumps({**doc, "config": {**doc["config"], "version": 7}}))
+    capsys.readouterr()
+    assert main(["eval", str(out), "--model", "tests.cli_factories:mlp", "--no-compile", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "scheme config cannot be read back: WeightOnlyConfig config version 7 is newer" in err[0]
