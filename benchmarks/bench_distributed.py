@@ -48,9 +48,10 @@ def _prepare(gm, act):
 
 
 def _rounded(prepared) -> dict:
+    from quantkit import _graph
     from quantkit.accuracy.rounding import _base as _rounding
 
-    return {lin.node.name: _rounding.get_attr(prepared, lin.weight).detach().clone()
+    return {lin.node.name: _graph.get_attr(prepared, lin.weight).detach().clone()
             for lin in _rounding.find_rounded_linears(prepared)}
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import quantkit
+from quantkit import _graph
 from quantkit.accuracy.rounding import _base as _rounding
 from quantkit.observers import HessianObserver
 from quantkit.observers._sync import sync_observers
@@ -55,7 +56,7 @@ def _rounded(prepared) -> dict:
     out = {}
     for lin in _rounding.find_rounded_linears(prepared):
         scale, zp = lin.observer.calculate_qparams()
-        out[lin.node.name] = [_rounding.get_attr(prepared, lin.weight).detach().clone(),
+        out[lin.node.name] = [_graph.get_attr(prepared, lin.weight).detach().clone(),
                               torch.as_tensor(scale).clone(), torch.as_tensor(zp).clone()]
     return out
 

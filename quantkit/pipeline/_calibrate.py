@@ -11,10 +11,10 @@ from torch.fx import GraphModule
 from quantkit.observers._tokens import token_mask
 
 from .._errors import CalibrationError, QuantkitError
+from .._graph import is_observer_module
 from ._distributed import calibrate_synced, use_distributed
 from ._hooks import CalibrationRun, with_hooks
 from ._inputs import call_model
-from ._prepare import is_observer_module
 
 __all__ = ["calibrate", "run_batches"]
 

@@ -41,8 +41,7 @@ from torch.fx import GraphModule
 from quantkit.observers._collective import EXCHANGED, clean, collective, comm_device, exchange
 
 from .._errors import CalibrationError, DistributedError
-from .._graph import get_attr
-from ._prepare import is_observer_module
+from .._graph import get_attr, is_observer_module
 
 __all__ = ["shard", "use_distributed", "calibrate_synced", "on_all_ranks", "agree", "agreement_record",
            "report_failure"]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import quantkit
+from quantkit import _graph
 from quantkit._errors import CalibrationError, ConvertError
 from quantkit.accuracy.rounding import _base as _rounding
 from quantkit.accuracy._gptq import gptq_quantize
@@ -27,7 +28,7 @@ def _setup(seed=0):
 
 
 def _weights(prepared):
-    return {lin.node.name: (lin, _rounding.get_attr(prepared, lin.weight).detach().clone())
+    return {lin.node.name: (lin, _graph.get_attr(prepared, lin.weight).detach().clone())
             for lin in _rounding.find_rounded_linears(prepared)}
 
 

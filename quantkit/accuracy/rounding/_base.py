@@ -16,13 +16,12 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..._errors import CalibrationError
-from ..._graph import get_attr, module_scopes, set_attr
+from ..._graph import is_observer_node, module_scopes
 from ...pipeline._calibrate import run_batches
 from ...pipeline._hooks import CalibrationRun
-from ...pipeline._prepare import is_observer_node
 
 __all__ = ["ROUNDING_META_KEY", "RoundedLinear", "find_rounded_linears", "pending_algorithms", "rounding_plan",
-           "record_rounding", "without_observers", "Tapped", "fix_qparams", "get_attr", "set_attr"]
+           "record_rounding", "without_observers", "Tapped", "fix_qparams"]
 
 aten = torch.ops.aten
 # gm.meta entry: one record per rounded linear ({"layer", "module", "algorithm", ...})
