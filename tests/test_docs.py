@@ -2,7 +2,8 @@
 
 Every ```python block of README.md and docs/*.md is executed, page by page: a page's blocks run in
 order in one fresh namespace (a later block may use what an earlier one defined), in a temporary
-working directory (so ``quantkit.save(qmodel, "out/...")`` writes nowhere else). A block whose first
+working directory (so ``quantkit.save(qmodel, "out/...")`` writes nowhere else), with quantkit's
+registries copied for the page (what an example registers is gone after it). A block whose first
 line is ``# doc: skip (reason)`` is not run (GPU, torchrun, big models); the reason is required.
 Shell blocks are not run, except that the README must keep the ```bash block with ``pytest -q``
 (CI's .ci/run runs that command). The pages are found beside this tests/ folder (tests/../README.md),
@@ -11,6 +12,7 @@ so the examples run against whichever quantkit the tests import (the installed w
 
 from __future__ import annotations
 
+import importlib
 import re
 import traceback
 from pathlib import Path
@@ -25,6 +27,15 @@ PAGES = [README, *sorted(DOCS.glob("*.md"))]
 # issue 27: one page per topic
 REQUIRED = {"schemes", "calibration", "execution", "llms", "distributed", "export", "security"}
 MAX_README_LINES = 150  # issue 27: the README is a front page
+
+# The registries an example may add to (a preset, a config type, an emitter, a calibration hook, a
+# lowering pass, an observer name). Each page runs against copies of them, so nothing a page registers
+# outlives it: later tests see the library's registrations and their own only (e.g. test_toy_scheme
+# expects its preset to be the last one).
+REGISTRIES = [("quantkit.quantizers._scheme", "_SCHEMES"), ("quantkit.quantizers._scheme", "_TYPES"),
+              ("quantkit.quantizers._scheme", "_QUANTIZERS"), ("quantkit.pipeline.emit._registry", "_EMITTERS"),
+              ("quantkit.pipeline._hooks", "_HOOKS"), ("quantkit.lowering._registry", "_REGISTRY"),
+              ("quantkit.observers._registry", "_REGISTRY")]
 
 _SKIP = re.compile(r"#\s*doc:\s*skip\b(.*)")
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
@@ -81,8 +92,19 @@ def test_required_pages_exist():
     assert not missing, f"docs/ lacks {sorted(missing)}"
 
 
+@pytest.fixture
+def isolated_registries(monkeypatch):
+    """Swap every registry in ``REGISTRIES`` for a copy (dicts of dicts copied one level down) for the
+    test's duration; monkeypatch puts the originals back."""
+    for module, name in REGISTRIES:
+        mod = importlib.import_module(module)
+        table = getattr(mod, name)
+        assert isinstance(table, dict), f"{module}.{name} is no longer a dict: update REGISTRIES"
+        monkeypatch.setattr(mod, name, {k: dict(v) if isinstance(v, dict) else v for k, v in table.items()})
+
+
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
-def test_examples_run(page, tmp_path, monkeypatch):
+def test_examples_run(page, tmp_path, monkeypatch, isolated_registries):
     """Each runnable ```python block, in order, in one namespace; a failure names the page and block."""
     blocks = python_blocks(page)
     monkeypatch.chdir(tmp_path)
