@@ -97,7 +97,7 @@ class QuantConfig(SchemeConfig):
             the observers.
         weight_algorithm: how weights are rounded: ``"rtn"`` (to nearest, default), ``"gptq"``
             (Frantar et al. 2022) or ``"awq"`` (Lin et al. 2023), run by ``quantkit.calibrate``
-            (which then needs a re-iterable list of batches; see ``quantkit.accuracy._rounding``).
+            (which then needs a re-iterable list of batches; see ``quantkit.accuracy.rounding``).
         qat: annotate with fake-quantize modules (``quantkit.observers.FakeQuantize``) instead of
             observers, for torchao's ``prepare_qat_pt2e``; ``quantkit.prepare_qat`` needs no flag.
 
