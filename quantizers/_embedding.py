@@ -8,7 +8,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, QuantizationSpec, Quantizer
 
-from quantkit._graph import module_scopes
+from quantkit._graph import ANNOTATION_KEY, module_scopes
 from quantkit._qmath import is_per_channel
 from quantkit.observers import declared_qscheme
 from quantkit.observers import get as get_observer
@@ -18,7 +18,6 @@ from ._w8a8 import _has_elements
 
 __all__ = ["EmbeddingQuantizer"]
 
-_ANNOTATION_KEY = "quantization_annotation"
 _EMBEDDING = {torch.ops.aten.embedding.default}
 
 
@@ -67,7 +66,7 @@ class EmbeddingQuantizer(Quantizer):
 
     def annotate(self, model: GraphModule) -> GraphModule:
         for node in model.graph.nodes:
-            if node.op != "call_function" or node.target not in _EMBEDDING or _ANNOTATION_KEY in node.meta:
+            if node.op != "call_function" or node.target not in _EMBEDDING or ANNOTATION_KEY in node.meta:
                 continue
             weight = node.args[0]
             val = weight.meta.get("val") if isinstance(weight, Node) else None
@@ -76,7 +75,7 @@ class EmbeddingQuantizer(Quantizer):
                 continue
             if self._skipped(node):
                 continue
-            node.meta[_ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map={weight: self.spec}, _annotated=True)
+            node.meta[ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map={weight: self.spec}, _annotated=True)
         return model
 
     def validate(self, model: GraphModule) -> None:

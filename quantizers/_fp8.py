@@ -10,6 +10,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, QuantizationSpec
 
+from quantkit._graph import ANNOTATION_KEY
 from quantkit._qmath import default_qrange, dequantize_float8, float8_scale, is_per_channel, quantize_float8
 from quantkit.observers import declared_qscheme
 from quantkit.observers import get as get_observer
@@ -18,7 +19,7 @@ from quantkit.observers._fp8 import Float8DynamicObserver, check_float8_method, 
 
 from ._config import QUANTIZABLE_OPS, Granularity, parse_choice
 from ._scheme import SchemeConfig, register_scheme
-from ._w8a8 import _ANNOTATION_KEY, _MATMUL, W8A8Quantizer, _is_float_tensor
+from ._w8a8 import _MATMUL, W8A8Quantizer, _is_float_tensor
 
 __all__ = ["FP8Config", "FP8Quantizer", "KV_CACHE_FORMATS", "FP8_GPTQ_PERCDAMP"]
 
@@ -274,7 +275,7 @@ class FP8Quantizer(W8A8Quantizer):
         """``(node, config, roles)`` of every KV-cache site not yet annotated; ``roles`` maps the
         node's key/value inputs to ``"key"``/``"value"``."""
         for node in model.graph.nodes:
-            if node.op != "call_function" or _ANNOTATION_KEY in node.meta:
+            if node.op != "call_function" or ANNOTATION_KEY in node.meta:
                 continue
             config = self.config_for(node)
             if config is None:
@@ -293,12 +294,12 @@ class FP8Quantizer(W8A8Quantizer):
             qmap = {arg: self.kv_spec(config, role) for arg, role in roles.items()}
             if node.target in _MATMUL and "matmul" in config.ops:
                 qmap[node.args[0]] = self.act_spec(config, per_token_ok=True)
-            node.meta[_ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=qmap, _annotated=True)
+            node.meta[ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=qmap, _annotated=True)
 
     @staticmethod
     def _quantizes_input(user: Node, arg: Node, spec: QuantizationSpec) -> bool:
         # a KV-cache edge keeps its own q/dq: it is never moved above the shape ops before it
-        ann = user.meta.get(_ANNOTATION_KEY)
+        ann = user.meta.get(ANNOTATION_KEY)
         s = ann.input_qspec_map.get(arg) if ann is not None else None
         if getattr(getattr(s, "observer_or_fake_quant_ctr", None), "kv_role", None):
             return False

@@ -13,7 +13,7 @@ from torchao.quantization.pt2e.quantizer import (
     SharedQuantizationSpec,
 )
 
-from quantkit._graph import scoped_config, type_name
+from quantkit._graph import ANNOTATION_KEY, scoped_config, type_name
 from quantkit._qmath import is_per_channel
 from quantkit.observers import declared_qscheme
 from quantkit.observers import get as get_observer
@@ -25,7 +25,6 @@ from ._scheme import quantizer_for
 
 __all__ = ["W8A8Quantizer"]
 
-_ANNOTATION_KEY = "quantization_annotation"
 aten = torch.ops.aten
 
 _LINEAR = {aten.linear.default}
@@ -163,7 +162,7 @@ class W8A8Quantizer(Quantizer):
     # --- annotation -----------------------------------------------------------------
     def annotate(self, model: GraphModule) -> GraphModule:
         for node in model.graph.nodes:
-            if node.op != "call_function" or _ANNOTATION_KEY in node.meta:
+            if node.op != "call_function" or ANNOTATION_KEY in node.meta:
                 continue
             config = self.config_for(node)
             if config is None:
@@ -191,7 +190,7 @@ class W8A8Quantizer(Quantizer):
         if isinstance(w_val, torch.Tensor) and not _has_elements(w_val):  # a zero-width layer stays float
             return
         qmap = {x: self.act_spec(config, per_token_ok=node.target in _LINEAR), w: self.weight_spec(config)}
-        node.meta[_ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=qmap, _annotated=True)
+        node.meta[ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=qmap, _annotated=True)
 
     def _annotate_weight_right(self, node: Node, config: QuantConfig, x, w) -> bool:
         """``x @ w`` with ``w`` a 2-D parameter ``[K, N]`` (``addmm``, ``mm``/``matmul`` by a
@@ -200,7 +199,7 @@ class W8A8Quantizer(Quantizer):
         if not (_is_float_tensor(x) and _is_float_tensor(w) and w.op == "get_attr" and w.meta["val"].dim() == 2):
             return False
         qmap = {x: self.act_spec(config, per_token_ok=True), w: self.weight_spec(config, ch_axis=1)}
-        node.meta[_ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=qmap, _annotated=True)
+        node.meta[ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=qmap, _annotated=True)
         return True
 
     def _annotate_inputs(self, node: Node, config: QuantConfig, inputs) -> None:
@@ -209,13 +208,13 @@ class W8A8Quantizer(Quantizer):
         qmap = {a: self.act_spec(config) for a in inputs}
         if node.target in _MATMUL:
             qmap[inputs[0]] = self.act_spec(config, per_token_ok=True)
-        node.meta[_ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=qmap, _annotated=True)
+        node.meta[ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=qmap, _annotated=True)
 
     def _propagate(self, model: GraphModule) -> None:
         """Move activation quantization above shape ops and max pools whose every
         consumer quantizes them, so the int8 tensor (not the float one) is moved."""
         for node in reversed(list(model.graph.nodes)):
-            if node.op != "call_function" or node.target not in _PASSTHROUGH or _ANNOTATION_KEY in node.meta:
+            if node.op != "call_function" or node.target not in _PASSTHROUGH or ANNOTATION_KEY in node.meta:
                 continue
             x = node.args[0]
             config = self.config_for(node)
@@ -225,7 +224,7 @@ class W8A8Quantizer(Quantizer):
             users = list(node.users)
             if not users or not all(self._quantizes_input(u, node, spec) for u in users):
                 continue
-            node.meta[_ANNOTATION_KEY] = QuantizationAnnotation(
+            node.meta[ANNOTATION_KEY] = QuantizationAnnotation(
                 input_qspec_map={x: spec},
                 output_qspec=SharedQuantizationSpec((x, node)),
                 _annotated=True,
@@ -233,7 +232,7 @@ class W8A8Quantizer(Quantizer):
 
     @staticmethod
     def _quantizes_input(user: Node, arg: Node, spec: QuantizationSpec) -> bool:
-        ann = user.meta.get(_ANNOTATION_KEY)
+        ann = user.meta.get(ANNOTATION_KEY)
         if ann is None or arg not in ann.input_qspec_map:
             return False
         s = ann.input_qspec_map[arg]

@@ -11,7 +11,7 @@ from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, Quantiza
 
 from quantkit._errors import QuantkitError
 from quantkit.observers import GroupwiseWeightObserver
-from quantkit._graph import scoped_config, type_name
+from quantkit._graph import ANNOTATION_KEY, scoped_config, type_name
 
 from ._scheme import SchemeConfig, register_scheme
 from ._w8a8 import _has_elements
@@ -19,7 +19,6 @@ from ._w8a8 import _has_elements
 __all__ = ["WeightOnlyQuantizer", "WeightOnlyConfig", "GroupSizeError", "WEIGHT_ONLY_SCHEMES",
            "WEIGHT_ONLY_ALGORITHMS", "module_of"]
 
-_ANNOTATION_KEY = "quantization_annotation"
 _LINEAR = {torch.ops.aten.linear.default}
 _EMBEDDING = {torch.ops.aten.embedding.default}
 
@@ -177,7 +176,7 @@ class WeightOnlyQuantizer(Quantizer):
         misfits: dict[int, list[tuple[str, int]]] = {}
         widths: dict[int, set[int]] = {}  # group size -> input features of the layers it applies to
         for node in model.graph.nodes:
-            if node.op != "call_function" or _ANNOTATION_KEY in node.meta:
+            if node.op != "call_function" or ANNOTATION_KEY in node.meta:
                 continue
             if node.target in _LINEAR:
                 weight = node.args[1]
@@ -199,7 +198,7 @@ class WeightOnlyQuantizer(Quantizer):
             if config.group_size is not None and k % config.group_size:
                 misfits.setdefault(config.group_size, []).append((str(weight.target), k))
                 continue
-            node.meta[_ANNOTATION_KEY] = QuantizationAnnotation(
+            node.meta[ANNOTATION_KEY] = QuantizationAnnotation(
                 input_qspec_map={weight: self.weight_spec(config, k)}, _annotated=True)
         if misfits:
             group_size, layers = next(iter(misfits.items()))

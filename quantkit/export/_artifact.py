@@ -32,7 +32,7 @@ import torch.utils._pytree as pytree
 
 from . import _atomic, _safe_pt2
 from ..pipeline._capture import CAPTURE_META_KEY
-from ..pipeline._convert import QPARAMS_META_KEY
+from .._graph import QPARAMS_META_KEY
 from .._errors import QuantkitError
 from ..quantizers._scheme import CONFIG_META_KEY, SchemeConfig, SchemeError
 

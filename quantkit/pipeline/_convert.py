@@ -21,7 +21,7 @@ from .._graph import (
     is_observer_node,
     mutated_attributes,
 )
-from .._qdq import PER_TOKEN, SUPPORTED_DTYPES, emit_dynamic
+from .._qdq import PER_TOKEN, emit_dynamic
 from .._qmath import underlying_dtype
 from ._prepare import control_flow_subgraphs, copy_sharing_parameters, disallow_train_eval, is_prepared, set_submodule
 from ._qat import fold_simulated_bn, is_qat, refuse_training
@@ -31,15 +31,6 @@ __all__ = [
     "convert", "convert_in_place", "emit_dynamic", "QPARAMS_META_KEY", "QUANTIZE_OPS", "DEQUANTIZE_OPS", "FOLDED_PREFIX",
     "mutated_attributes",
 ]
-
-# the names this module had before the emitters and quantkit._graph held them (sequential, tests)
-_SUPPORTED = SUPPORTED_DTYPES
-_CHOOSE_OPS = CHOOSE_QPARAMS_OPS
-_constant_value = constant_value
-_is_calibrated = is_calibrated
-_Converter = ConvertContext
-_attr = get_attr
-
 
 def _record_dynamic(ctx: ConvertContext, node: Node, obs) -> None:
     """A dynamic observer's record (whatever its kind): no qparams, the run-time granularity."""
