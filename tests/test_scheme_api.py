@@ -78,3 +78,14 @@ def test_a_damaged_or_unknown_config_is_one_line(tmp_path, config, needle):
     with pytest.raises(quantkit.QuantkitError, match="scheme config cannot be read back: .*" + needle) as info:
         quantkit.load(path)
     assert "\n" not in str(info.value)
+
+
+def test_quantize_pretrained_recorded_config_goes_with_a_quantizer_only(tmp_path):
+    """Refused before the model directory is even read (it does not exist here)."""
+    cfg = get_scheme("w8a8")
+    with pytest.raises(SchemeError, match="recorded_config= goes with quantizer="):
+        quantkit.quantize_pretrained(tmp_path / "none", [], config="w8a8", recorded_config=cfg)
+    with pytest.raises(SchemeError, match="recorded_config= goes with quantizer="):
+        quantkit.quantize_pretrained(tmp_path / "none", [], recorded_config=cfg)
+    with pytest.raises(SchemeError, match="recorded_config must be a SchemeConfig, got dict"):
+        quantkit.quantize_pretrained(tmp_path / "none", [], W8A8Quantizer(), recorded_config=cfg.to_dict())

@@ -236,7 +236,13 @@ def test_cli_max_memory_quantizes_block_by_block(checkpoints, tmp_path, capsys):
     assert main(args + ["--sequential", "--max-memory", "100MiB", "--quiet"]) == 0
     doc = json.loads((out / "quantization.json").read_text())
     assert doc["source"]["sequential"] is True and doc["source"]["max_memory"] == "100MiB"
+    # the block-by-block CLI records the scheme's config like the in-memory one: the default static W8A8
+    from quantkit.quantizers import QuantConfig, SchemeConfig
+    assert doc["config"]["type"] == "QuantConfig", doc.get("config")
+    cfg = SchemeConfig.from_dict(doc["config"])
+    assert isinstance(cfg, QuantConfig) and cfg.dynamic is False
     qmodel = quantkit.load(out)
+    assert qmodel.meta["quantkit_config"] == cfg
     ids = torch.randint(0, 96, (2, 7), generator=g)
     mask = torch.ones(2, 7, dtype=torch.long)
     got = qmodel(input_ids=ids, attention_mask=mask)["logits"]

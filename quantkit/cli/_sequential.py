@@ -121,6 +121,7 @@ def run_sequential(args, recipe, spec: inputs.ModelSpec, data, out: Path, say) -
         quantize_pretrained(path, calib, quantizer, max_memory=args.max_memory, out=out, sequential=True,
                             resume=bool(args.resume), overwrite=args.force, task=spec.task,
                             progress=not args.quiet, recipe=recipe.to_json(), source=source,
+                            recorded_config=recipe.scheme_config(),
                             dynamic_shapes=_hf.dynamic_shapes(calib[0]) if isinstance(calib[0], dict) else None)
     except FileExistsError as exc:  # pragma: no cover - check_out_dir words this already
         raise QuantkitError(str(exc)) from None

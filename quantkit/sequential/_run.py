@@ -116,7 +116,8 @@ def quantize_pretrained(model_dir: str | os.PathLike, calib_data: Iterable, quan
                         max_memory: int | str | None = None, out: str | os.PathLike | None = None,
                         sequential: bool | None = None, resume: bool = False, overwrite: bool = False,
                         task: str = "auto", progress: bool = True, recipe: dict | None = None,
-                        dynamic_shapes=None, source: dict | None = None, config: str | SchemeConfig | None = None):
+                        dynamic_shapes=None, source: dict | None = None, config: str | SchemeConfig | None = None,
+                        recorded_config: SchemeConfig | None = None):
     """Quantize the Hugging Face checkpoint in ``model_dir``, block by block when it does not fit.
 
     With ``max_memory`` smaller than the in-memory path needs (measured from the checkpoint's
@@ -135,6 +136,9 @@ def quantize_pretrained(model_dir: str | os.PathLike, calib_data: Iterable, quan
             ``quantkit.quantizers.available_schemes()``) or a ``SchemeConfig``, whose
             ``quantizer()`` is used; the result's ``meta["quantkit_config"]`` (and the artifact's
             ``quantization.json``) records it, and a resumed run must have the same one.
+        recorded_config: with ``quantizer``: the ``SchemeConfig`` to record as above, when the
+            quantizer was built from it and then adjusted (the CLI's, with ``--skip`` and int8
+            embeddings); it does not change what is quantized.
         max_memory: the memory budget (bytes, or a size such as ``"4GiB"``); also bounds the
             activations cached in memory (``_budget.CACHE_SHARE`` of it twice; the rest spill to disk).
         out: write the artifact (``model.pt2`` + ``quantization.json``) there, atomically;
@@ -169,7 +173,13 @@ def quantize_pretrained(model_dir: str | os.PathLike, calib_data: Iterable, quan
     """
     if quantizer is not None and config is not None:
         raise SchemeError("pass quantizer= or config=, not both (a config builds its own quantizer)")
-    if config is not None:
+    if recorded_config is not None:
+        if config is not None or quantizer is None:
+            raise SchemeError("recorded_config= goes with quantizer= (config= records itself); drop one of them")
+        if not isinstance(recorded_config, SchemeConfig):
+            raise SchemeError(f"recorded_config must be a SchemeConfig, got {type(recorded_config).__name__}")
+        config = recorded_config
+    elif config is not None:
         config = as_config(config)
         quantizer = config.quantizer()
     model_dir = Path(model_dir)
