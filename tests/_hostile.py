@@ -17,7 +17,7 @@ import torch
 from quantkit import _hf
 from quantkit.cli import main
 
-__all__ = ["RAW_EXCEPTION", "_error", "_fails", "_no_leftovers", "_tiny_bert", "_tree"]
+__all__ = ["RAW_EXCEPTION", "_error", "_fails", "_no_leftovers", "_tiny_bert", "_tree", "_copy_dir", "_sentences_file"]
 
 RAW_EXCEPTION = re.compile(r"\b(IndexError|AttributeError|RuntimeError|KeyError|TypeError|ValueError|"
                            r"AssertionError|NotImplementedError)\b:")
@@ -81,3 +81,17 @@ def _tiny_bert(directory: Path, cls=None, num_labels: int = 3) -> Path:
     return directory
 
 
+
+
+def _copy_dir(src: Path, tmp_path: Path) -> Path:
+    """A private copy of a module-scoped model directory, for a test that damages it."""
+    d = tmp_path / "model"
+    shutil.copytree(src, d)
+    return d
+
+
+def _sentences_file(directory: Path, n: int) -> Path:
+    """The first ``n`` bundled calibration sentences, one per line, in ``directory/sentences.txt``."""
+    f = directory / "sentences.txt"
+    f.write_text("\n".join(_hf.read_sentences(_hf.default_calibration_file())[:n]) + "\n", encoding="utf-8")
+    return f

@@ -21,7 +21,7 @@ import torch
 
 from quantkit import _hf
 from quantkit.cli import main
-from tests._hostile import RAW_EXCEPTION, _error, _fails, _no_leftovers, _tiny_bert, _tree  # noqa: F401
+from tests._hostile import RAW_EXCEPTION, _copy_dir, _error, _fails, _no_leftovers, _sentences_file, _tiny_bert, _tree  # noqa: F401,E501
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,17 +38,12 @@ def bert_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def bert_copy(bert_dir, tmp_path) -> Path:
-    d = tmp_path / "model"
-    shutil.copytree(bert_dir, d)
-    return d
+    return _copy_dir(bert_dir, tmp_path)
 
 
 @pytest.fixture(scope="module")
 def sentences(tmp_path_factory) -> Path:
-    f = tmp_path_factory.mktemp("text") / "sentences.txt"
-    lines = _hf.read_sentences(_hf.default_calibration_file())[:20]
-    f.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return f
+    return _sentences_file(tmp_path_factory.mktemp("text"), 20)
 
 
 def _edit_safetensors(model_dir: Path, edit) -> None:

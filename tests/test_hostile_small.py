@@ -9,7 +9,6 @@ nothing left beside ``--out``); cases that must succeed check the result against
 from __future__ import annotations
 
 import json
-import shutil
 import time
 import warnings
 from pathlib import Path
@@ -18,9 +17,8 @@ import pytest
 import torch
 
 import quantkit
-from quantkit import _hf
 from quantkit.cli import main
-from tests._hostile import _fails, _no_leftovers, _tiny_bert, _tree
+from tests._hostile import _copy_dir, _fails, _sentences_file, _tiny_bert, _tree
 from tests.cli_factories import mlp_quantize_args, write_mlp_inputs
 
 transformers = pytest.importorskip("transformers")
@@ -99,16 +97,12 @@ def bert_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def bert_copy(bert_dir, tmp_path) -> Path:
-    d = tmp_path / "model"
-    shutil.copytree(bert_dir, d)
-    return d
+    return _copy_dir(bert_dir, tmp_path)
 
 
 @pytest.fixture(scope="module")
 def sentences(tmp_path_factory) -> Path:
-    f = tmp_path_factory.mktemp("text") / "sentences.txt"
-    f.write_text("\n".join(_hf.read_sentences(_hf.default_calibration_file())[:10]) + "\n", encoding="utf-8")
-    return f
+    return _sentences_file(tmp_path_factory.mktemp("text"), 10)
 
 
 def _ct_args(model: Path, calib: Path, out: Path, *extra) -> list[str]:
