@@ -11,7 +11,7 @@ from torch._inductor.utils import run_and_get_code
 
 import quantkit
 from quantkit.lowering import _cpu_fuse, _onednn, lower
-from quantkit.lowering._match import attr
+from quantkit._graph import get_attr as attr
 from quantkit.quantizers import QuantConfig, W8A8Quantizer
 
 Q = torch.ops.quantized_decomposed

@@ -18,6 +18,7 @@ import torch
 from ..export import _artifact
 from ..lowering._weight_only import kernel_choices
 from . import _data as datasets, _inputs as inputs, _report as report
+from ._markdown import render_table
 from ._quantize import REPORT_JSON, TOKENIZER_DIR
 from .._errors import QuantkitError
 from .._text import printable
@@ -141,7 +142,7 @@ def run_inspect(args, say, warn) -> int:
                          "scale": _scale_range(t)})
         cols = ["tensor", "kind", "dtype", "scale"]
     say("")
-    say(report.render_table(rows, cols), block=True)
+    say(render_table(rows, cols), block=True)
     return 0
 
 
@@ -366,11 +367,11 @@ def run_eval(args, say, warn) -> int:
     if "top1_agreement" in metric:
         row["top-1 agreement"] = metric["top1_agreement"]
         cols.append("top-1 agreement")
-    say(report.render_table([row], cols), block=True)
+    say(render_table([row], cols), block=True)
     say("")
     kind = "torch.compile, Inductor freezing" if result["compiled"] else "eager PyTorch"
     say(f"latency on this machine ({device}, {torch.get_num_threads()} threads, {kind}; batches interleaved):")
-    say(report.render_table([{"model": k, **v} for k, v in timing.items()],
+    say(render_table([{"model": k, **v} for k, v in timing.items()],
                             ["model", "median_ms_per_batch", "samples_per_s", "batches"]), block=True)
     say(f"int8 speedup over float: {speedup:.2f}x")
     for line in kernels:

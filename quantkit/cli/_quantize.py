@@ -18,7 +18,7 @@ from ..quantizers._config import QuantConfig
 from ..quantizers._fp8 import FP8Config
 from ..quantizers._scheme import SchemeConfig, get_scheme
 from ..quantizers._weight_only import WeightOnlyConfig
-from . import _autotune, _export, _sequential
+from . import _autotune, _export, _markdown, _sequential
 from . import _data as datasets, _inputs as inputs, _report as report, _torchrun as torchrun
 from .._errors import QuantkitError
 from ._weight_only import WeightOnlyRecipe, check_weight_algorithm
@@ -472,7 +472,7 @@ def run_quantize(args, say) -> int:
 
             rep["kernels"] = {"int4_cpu": int4_cpu_status(build=False).to_dict()}
         _artifact.write_json(tmp / REPORT_JSON, report.json_safe(rep))
-        (tmp / REPORT_MD).write_text(report.render_report(rep), encoding="utf-8")
+        (tmp / REPORT_MD).write_text(_markdown.render_report(rep), encoding="utf-8")
     extra = f", top-1 agreement {metric['top1_agreement']:.4f}" if "top1_agreement" in metric else ""
     note = f"; {len(skipped)} non-finite samples left out" if skipped else ""
     say(f"wrote {out}: {metric['name']} mean {metric['mean_cosine']:.4f} (min {metric['min_cosine']:.4f}){extra} "

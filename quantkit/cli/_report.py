@@ -13,10 +13,8 @@ from .. import _hf
 from .._errors import QuantkitError
 from ..pipeline._inputs import call_model
 from .._graph import module_scopes
-from ._markdown import describe_recipe, render_report, render_table  # re-exported: report.md lives in _markdown
 
-__all__ = ["output_kind", "compare_models", "time_interleaved", "json_safe", "layer_sqnr", "render_report",
-           "render_table", "describe_recipe", "sqnr_db", "METRIC_NAMES"]
+__all__ = ["output_kind", "compare_models", "time_interleaved", "json_safe", "layer_sqnr", "sqnr_db", "METRIC_NAMES"]
 
 aten = torch.ops.aten
 _LAYER_OPS = {

@@ -17,13 +17,12 @@ from torch.fx import GraphModule, Node
 from .._graph import get_attr
 from .._qmath import default_qrange
 
-__all__ = ["ActQ", "LinearMatch", "MatmulMatch", "match_linear", "match_matmul", "attr", "drop_unread_attrs"]
+__all__ = ["ActQ", "LinearMatch", "MatmulMatch", "match_linear", "match_matmul", "drop_unread_attrs"]
 
 aten = torch.ops.aten
 _Q = torch.ops.quantized_decomposed
 _DQ_ACT = (_Q.dequantize_per_tensor.default, _Q.dequantize_per_tensor.tensor)
 _ACTIVATIONS = {aten.relu.default: "relu", aten.gelu.default: "gelu"}
-attr = get_attr  # the old name (tests read weights with it)
 
 
 def drop_unread_attrs(gm: GraphModule, targets) -> None:

@@ -16,7 +16,7 @@ from ._fold_bn import fold_conv_bn
 from ._sharing import EdgeOrNode, observers_for_annotations
 
 __all__ = [
-    "prepare", "OBSERVER_PREFIX", "is_observer_module", "is_observer_node", "mark_padding_aware",
+    "prepare", "OBSERVER_PREFIX", "mark_padding_aware",
     "copy_sharing_parameters", "prepare_in_place", "is_prepared", "disallow_train_eval",
     "control_flow_subgraphs", "set_submodule", "from_attributes",
 ]

@@ -32,7 +32,7 @@ from quantkit._graph import ANNOTATION_KEY
 from quantkit._qmath import is_per_channel
 from quantkit.observers import DerivedObserver, FixedQParamsObserver
 
-__all__ = ["ANNOTATION_KEY", "EdgeOrNode", "observers_for_annotations", "observer_for_spec"]
+__all__ = ["EdgeOrNode", "observers_for_annotations", "observer_for_spec"]
 
 EdgeOrNode = Union[Node, tuple[Node, Node]]
 
