@@ -31,10 +31,11 @@ from torch.fx import GraphModule, Node
 from quantkit.kernels._cpu_isa import cpu_has
 
 from .._graph import get_attr
+from ..pipeline._float_fallback import bf16_weight_source, float_gemms
 from ._registry import LoweringContext, register_lowering
 
 __all__ = ["FLOAT_DTYPES", "bf16_supported", "bf16_attention_faster", "resolve_float_dtype", "float_ops_to_bf16",
-           "lower_bf16"]
+           "float_layers_to_bf16", "lower_bf16", "lower_float_layers_bf16"]
 
 aten = torch.ops.aten
 _Q = torch.ops.quantized_decomposed
@@ -165,6 +166,9 @@ def float_ops_to_bf16(gm: GraphModule) -> dict[str, int]:
         return casts[(src, dtype)]
 
     def to_bf16(a):
+        src = bf16_weight_source(a)
+        if src is not None:  # a float fallback layer's bf16 weight (pipeline/_float_fallback): read it as it is
+            return src
         if isinstance(a, Node) and a not in bf16 and _orig_dtype(gm, a) == torch.float32:
             return cast(a, torch.bfloat16, "to_bf16")
         return a
@@ -219,9 +223,58 @@ def float_ops_to_bf16(gm: GraphModule) -> dict[str, int]:
         return to_fp32(a) if isinstance(a, Node) and _orig_dtype(gm, a) == torch.float32 else a
 
     out.args = torch.fx.node.map_arg(out.args, restore)
+    _drop_unread_weight_casts(gm)
     graph.lint()
     gm.recompile()
     return counts
+
+
+def _drop_unread_weight_casts(gm: GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if bf16_weight_source(node) is not None and not node.users:
+            gm.graph.erase_node(node)
+
+
+def float_layers_to_bf16(gm: GraphModule) -> dict[str, int]:
+    """Run ``gm``'s float fallback GEMMs in bf16 and everything else as it is; in place.
+
+    A float GEMM whose weight :func:`~quantkit.pipeline._float_fallback.store_float_layers_bf16`
+    stored in bf16 reads that weight directly, its other float inputs cast to bf16, and its output
+    is cast back to float32 for its readers. The int8 layers and the float ops around them are
+    untouched, so their oneDNN patterns still match. For graphs whose float ops stay float32
+    (``float_dtype`` resolved to fp32); with bf16 float ops :func:`float_ops_to_bf16` does this too.
+
+    Returns:
+        ``{"float_layers_bf16": n}``, the number of layers rewritten (``{}`` for none).
+    """
+    graph = gm.graph
+    done = 0
+    for layer in float_gemms(gm):
+        if not any(bf16_weight_source(a) is not None for a in layer.args):
+            continue
+
+        def to_bf16(a, layer=layer):
+            src = bf16_weight_source(a)
+            if src is not None:
+                return src
+            if isinstance(a, Node) and _orig_dtype(gm, a) == torch.float32:
+                with graph.inserting_before(layer):
+                    return graph.call_function(aten._to_copy.default, (a,), {"dtype": torch.bfloat16})
+            return a
+
+        layer.args = tuple(to_bf16(a) for a in layer.args)
+        with graph.inserting_after(layer):
+            back = graph.call_function(aten._to_copy.default, (layer,), {"dtype": torch.float32})
+        if "val" in layer.meta:
+            back.meta["val"] = layer.meta["val"]  # float32, as the layer's output was
+        layer.replace_all_uses_with(back, delete_user_cb=lambda u, b=back: u is not b)
+        done += 1
+    if not done:
+        return {}
+    _drop_unread_weight_casts(gm)
+    graph.lint()
+    gm.recompile()
+    return {"float_layers_bf16": done}
 
 
 @register_lowering("bf16", order=400, devices=("cpu",))
@@ -231,3 +284,21 @@ def lower_bf16(gm: GraphModule, ctx: LoweringContext) -> dict[str, int]:
     if ctx.float_dtype != torch.bfloat16 or ctx.counts.get("fp8_linear"):
         return {}
     return float_ops_to_bf16(gm)
+
+
+@register_lowering("float_layers_bf16", order=410, devices=("cpu",))
+def lower_float_layers_bf16(gm: GraphModule, ctx: LoweringContext) -> dict[str, int]:
+    """The registered mixed-precision pass: :func:`float_layers_to_bf16` where oneDNN int8 runs on a
+    CPU with native bf16 and the other float ops stay float32 (bf16 float ops already cover them).
+
+    Why only the fallback's layers: their weights are already bf16 (``store_float_layers_bf16``),
+    so a bf16 GEMM loses only the rounding of its activation and runs at the CPU's bf16 rate,
+    where a float32 GEMM costs ~2x the memory traffic of a bf16 one and 4x an int8 one.
+    ``compile(float_dtype="fp32")`` cannot be told from an ``"auto"`` that resolved to float32 here
+    (the context holds the resolved dtype only), so both take this pass on such CPUs.
+    """
+    if ctx.float_dtype != torch.float32 or ctx.target is None or str(getattr(ctx.target, "value", ctx.target)) != "onednn":
+        return {}
+    if not bf16_supported():
+        return {}
+    return float_layers_to_bf16(gm)

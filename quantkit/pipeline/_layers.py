@@ -15,6 +15,8 @@ from typing import Iterable
 import torch
 from torch.fx import GraphModule, Node
 from torchao.quantization.pt2e.quantizer import QuantizationAnnotation, Quantizer
+from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (X86InductorQuantizer,
+                                                                         _X86InductorQuantizationAnnotation)
 
 from .._graph import ANNOTATION_KEY, DEQUANTIZE_OPS, QUANTIZE_OPS, module_scopes
 from ._inputs import call_model
@@ -96,6 +98,15 @@ def find_layers(gm: GraphModule, *, quantized: bool = True) -> list[Layer]:
     return out
 
 
+def _float_annotation(quantizer: Quantizer) -> QuantizationAnnotation:
+    """An annotation that quantizes nothing, of the class ``quantizer`` reads back: torchao's
+    X86InductorQuantizer asserts that every annotation it meets is its own subclass (a plain one
+    made it fail on a float conv feeding a cat or a pool)."""
+    if isinstance(quantizer, X86InductorQuantizer):
+        return _X86InductorQuantizationAnnotation(_annotated=True)
+    return QuantizationAnnotation(_annotated=True)
+
+
 class KeepFloat(Quantizer):
     """Wrap a quantizer so that the ops named in ``node_names`` stay float.
 
@@ -118,7 +129,7 @@ class KeepFloat(Quantizer):
     def annotate(self, model: GraphModule) -> GraphModule:
         for node in model.graph.nodes:
             if node.name in self.node_names and ANNOTATION_KEY not in node.meta:
-                node.meta[ANNOTATION_KEY] = QuantizationAnnotation(_annotated=True)
+                node.meta[ANNOTATION_KEY] = _float_annotation(self.quantizer)
         self.quantizer.annotate(model)
         return model
 

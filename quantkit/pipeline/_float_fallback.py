@@ -1,0 +1,209 @@
+"""Float fallback layers of a converted graph: no stray q/dq around them, weights stored in bf16.
+
+The accuracy fallback keeps its most sensitive GEMMs float (:class:`~quantkit.pipeline._layers.KeepFloat`).
+Two things make such a mixed graph cheaper without touching its int8 layers:
+
+- **No stray q/dq.** A ``quantize -> dequantize`` pair read by a float layer only rounds the value
+  the layer reads and costs two elementwise passes; the float layer reads the float source instead
+  (seen through view-like ops, which are re-applied to the float value). Where the same dequantize
+  also feeds an int8 layer, only the float layer's input moves; the int8 layer keeps its pattern, so
+  Inductor's ``dq -> linear <- dq(w)`` fusions still match.
+- **bf16 weights.** A float layer's weight is stored as bf16 and read through one
+  ``_to_copy(w, dtype=float32)``: the artifact holds 2 bytes per float weight instead of 4 (int8
+  layers hold 1), the graph still computes in float32 (Inductor's freezing folds the cast into a
+  constant), and the int8-mixed-bf16 lowering (``lowering/_bf16.py``) reads the bf16 weight as it
+  is. Biases stay float32: they are 1/K of the weight and are added at full precision.
+
+Numerics: a bf16 weight is the float32 one rounded to 8 significant bits (relative error at most
+2**-9 per element); the layer's output differs from the float32-weight layer at that level.
+
+Both functions work in place on a converted GraphModule (layer nodes keep their names from
+capture, so the fallback's layer names apply); :func:`finish_float_layers` runs both.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .._graph import DEQUANTIZE_OPS, QUANTIZE_OPS, get_attr, set_attr
+from ._layers import _FAMILIES, _MOVES, source_dequantize
+
+__all__ = ["FLOAT_WEIGHTS_META_KEY", "float_gemms", "drop_stray_qdq", "store_float_layers_bf16",
+           "finish_float_layers", "bf16_weight_source"]
+
+aten = torch.ops.aten
+# gm.meta key: the names of the layers whose weights store_float_layers_bf16 stored in bf16
+FLOAT_WEIGHTS_META_KEY = "quantkit_bf16_float_layers"
+# GEMM-like ops a fallback keeps float (add is a layer family, but it has no weight and no GEMM)
+_GEMM_FAMILIES = {t for t, fam in _FAMILIES.items() if fam != "add"} | {aten.addmm.default}
+
+
+def _operands(node: Node) -> tuple:
+    """The two multiplied operands of a GEMM-like node (``addmm(bias, x, w)`` reads args 1 and 2)."""
+    return tuple(node.args[1:3]) if node.target is aten.addmm.default else tuple(node.args[:2])
+
+
+def float_gemms(gm: GraphModule) -> list[Node]:
+    """GEMM-like nodes (linear, conv, matmul/bmm/mm, addmm) of ``gm`` that run float.
+
+    A GEMM runs int8 when both its operands are dequantized (activation and weight, or the two
+    activations of an attention matmul); one with a float operand computes in float, whatever
+    its other input is.
+    """
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _GEMM_FAMILIES
+            and not all(source_dequantize(a) is not None for a in _operands(n))]
+
+
+def _is_activation_dq(node) -> bool:
+    """``dequantize(quantize(x, ...))``: a rounded activation (a weight's dequantize reads an int8 attribute)."""
+    return (isinstance(node, Node) and node.op == "call_function" and node.target in DEQUANTIZE_OPS
+            and isinstance(node.args[0], Node) and node.args[0].op == "call_function"
+            and node.args[0].target in QUANTIZE_OPS)
+
+
+def drop_stray_qdq(gm: GraphModule) -> int:
+    """Let every float GEMM of ``gm`` read the float value its q/dq input rounds; in place.
+
+    For each float layer's tensor input that is (through view-like ops) ``dq(q(x))``, the layer
+    reads ``x`` (with the same view ops applied) instead; q/dq pairs nobody else reads go. int8
+    layers and the q/dq they read are left as they are.
+
+    Returns:
+        The number of layer inputs that now read a float source.
+    """
+    graph = gm.graph
+    memo: dict[Node, Node] = {}
+
+    def float_of(node):
+        """The float value ``node`` rounds (``node`` itself when there is none)."""
+        if not isinstance(node, Node):
+            return node
+        if node in memo:
+            return memo[node]
+        out = node
+        if _is_activation_dq(node):
+            out = float_of(node.args[0].args[0])
+        elif node.op == "call_function" and node.target in _MOVES:
+            src = float_of(node.args[0])
+            if src is not node.args[0]:  # re-apply the view op to the float source
+                with graph.inserting_after(node):
+                    out = graph.call_function(node.target, (src,) + tuple(node.args[1:]), dict(node.kwargs))
+                out.meta.update({k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "nn_module_stack")})
+        memo[node] = out
+        return out
+
+    rewired = 0
+    for layer in float_gemms(gm):
+        for arg in _operands(layer):
+            src = float_of(arg)
+            if src is not arg:
+                layer.replace_input_with(arg, src)
+                rewired += 1
+    if rewired:
+        graph.eliminate_dead_code()
+        graph.lint()
+        gm.recompile()
+    return rewired
+
+
+def _weight_attr(layer: Node) -> Node | None:
+    """The ``get_attr`` node of ``layer``'s weight operand (a linear/conv's args[1]; the right operand
+    of matmul/mm/addmm), if it reads one directly."""
+    w = _operands(layer)[1] if len(_operands(layer)) > 1 else None
+    return w if isinstance(w, Node) and w.op == "get_attr" else None
+
+
+def bf16_weight_source(node) -> Node | None:
+    """The bf16 ``get_attr`` behind ``node`` when ``node`` is a float32 cast of a bf16 attribute
+    (``_to_copy(w_bf16, dtype=float32)``, what :func:`store_float_layers_bf16` inserts), else None.
+
+    Read from the graph's structure alone, so it holds for a model reloaded from an artifact too
+    (node meta does not survive ``torch.export``).
+    """
+    if not (isinstance(node, Node) and node.op == "call_function" and node.target is aten._to_copy.default
+            and node.kwargs.get("dtype") == torch.float32 and set(node.kwargs) <= {"dtype"}):
+        return None
+    src = node.args[0]
+    if not (isinstance(src, Node) and src.op == "get_attr" and node.graph.owning_module is not None):
+        return None
+    try:
+        tensor = get_attr(node.graph.owning_module, src.target)
+    except AttributeError:
+        return None
+    return src if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.bfloat16 else None
+
+
+def store_float_layers_bf16(gm: GraphModule, names=None) -> int:
+    """Store the weights of ``gm``'s float GEMMs as bf16, each read through a cast to float32; in place.
+
+    Args:
+        gm: a converted GraphModule (e.g. ``Variants.build(keep)``).
+        names: the layer (node) names whose weights to store in bf16; None for every float GEMM
+            with a float32 weight. Names of int8 layers, of layers without a weight attribute
+            (attention matmuls) or not in ``gm`` are skipped.
+
+    A weight attribute that anything other than the chosen float layers also reads (a tied
+    embedding, an int8 layer) stays float32. The names stored are added to
+    ``gm.meta[FLOAT_WEIGHTS_META_KEY]``.
+
+    Returns:
+        The number of weight tensors now stored in bf16.
+
+    Example:
+        >>> qm = variants.build(["linear_3"])
+        >>> store_float_layers_bf16(qm, ["linear_3"])
+        1
+    """
+    wanted = None if names is None else frozenset(names)
+    layers = [n for n in float_gemms(gm) if wanted is None or n.name in wanted]
+    chosen = set(layers)
+    by_target: dict[str, list[Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            by_target.setdefault(str(node.target), []).append(node)
+    stored, done = 0, set()
+    for layer in layers:
+        w = _weight_attr(layer)
+        if w is None or str(w.target) in done:
+            continue
+        target = str(w.target)
+        tensor = get_attr(gm, target)
+        if not (isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32):
+            continue
+        readers = by_target[target]
+        if not all(set(r.users) <= chosen for r in readers):
+            continue  # read by something that must keep float32 (or int8) values
+        set_attr(gm, target, tensor.to(torch.bfloat16))
+        for r in readers:
+            val = r.meta.pop("val", None)
+            r.meta.pop("tensor_meta", None)
+            with gm.graph.inserting_after(r):
+                cast = gm.graph.call_function(aten._to_copy.default, (r,), {"dtype": torch.float32})
+            if val is not None:
+                cast.meta["val"] = val  # float32, as the weight was
+            r.replace_all_uses_with(cast, delete_user_cb=lambda u, c=cast: u is not c)
+        done.add(target)
+        stored += 1
+    names_done = sorted({n.name for n in layers if _weight_source_target(n) in done})
+    if stored:
+        gm.meta[FLOAT_WEIGHTS_META_KEY] = sorted(set(gm.meta.get(FLOAT_WEIGHTS_META_KEY, ())) | set(names_done))
+        gm.graph.lint()
+        gm.recompile()
+    return stored
+
+
+def _weight_source_target(layer: Node) -> str | None:
+    ops = _operands(layer)
+    src = bf16_weight_source(ops[1]) if len(ops) > 1 else None
+    return str(src.target) if src is not None else None
+
+
+def finish_float_layers(gm: GraphModule, names=None) -> dict[str, int]:
+    """Both steps on a converted graph, in place: :func:`drop_stray_qdq`, then
+    :func:`store_float_layers_bf16` for ``names`` (None: every float GEMM).
+
+    Returns:
+        ``{"stray_qdq_inputs": ..., "bf16_weights": ...}``.
+    """
+    return {"stray_qdq_inputs": drop_stray_qdq(gm), "bf16_weights": store_float_layers_bf16(gm, names)}
