@@ -13,13 +13,17 @@ from .._graph import DEQUANTIZE_OPS
 from ._bf16 import resolve_float_dtype
 from ._fp8 import FP8_KERNELS, has_fp8_qdq
 from ._lower import Target
-from ._onednn import exact_for_graph
+from ._onednn import exact_for_graph, why_reference
+from ._per_token import lower_per_token  # noqa: F401  (registers the per-token int8 pass)
 from ._registry import LoweringContext, run_lowerings
 from ._weight_only import KERNELS_META_KEY, has_quant_ops, kernel_choices
 
-__all__ = ["compile", "CPU_KERNELS", "LOWERING_META_KEY", "KERNELS_META_KEY", "kernel_choices"]
+__all__ = ["compile", "CPU_KERNELS", "LOWERING_META_KEY", "KERNELS_META_KEY", "REFERENCE_META_KEY", "kernel_choices",
+           "why_reference"]
 
 LOWERING_META_KEY = "quantkit_lowering"
+# gm.meta: the one line saying why "auto" kept the int8 layers on the reference q/dq graph (absent when it did not)
+REFERENCE_META_KEY = "quantkit_reference_reason"
 # "auto": oneDNN int8 where it is exact (VNNI/AMX CPUs, or 7-bit activations: see
 # _onednn.exact_for_graph), else the reference q/dq graph
 CPU_KERNELS = ("auto", "onednn", "reference")
@@ -57,7 +61,11 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", float_dtype: s
         cpu_kernels: ``"auto"`` uses oneDNN int8 where it is exact -- on VNNI / AMX CPUs, or
             on any x86 CPU when every linear/conv activation is 7-bit
             (``QuantConfig(activation="affine-uint7")``) -- and otherwise compiles the
-            reference q/dq graph (also for a graph mixing 7-bit and 8-bit activations);
+            reference q/dq graph (also for a graph mixing 7-bit and 8-bit activations, and
+            for per-token activations, int8 in -127..127: see ``_onednn.exact_for_graph``),
+            recording why in one line (``meta["quantkit_reference_reason"]``, ``why_reference``);
+            per-token linears become ``aten._int_mm`` GEMMs that Inductor lowers to oneDNN
+            (``_per_token.py``);
             ``"onednn"`` forces oneDNN (on AVX2-only CPUs with 8-bit activations its int16
             intermediate sums saturate: fast, not exact); ``"reference"`` never rewrites.
             Ignored on CUDA.
@@ -91,23 +99,27 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", float_dtype: s
         raise ValueError(f"unknown fp8_kernel {fp8_kernel!r}; use one of {list(FP8_KERNELS)}")
     if cpu_kernels not in CPU_KERNELS:
         raise ValueError(f"unknown cpu_kernels {cpu_kernels!r}; use one of {list(CPU_KERNELS)}")
+    reason = None if _device_type(converted) == "cuda" else why_reference(converted)  # None: oneDNN is exact here
     if _device_type(converted) == "cuda":
         target = Target.TRITON
-    elif cpu_kernels == "onednn" or (cpu_kernels == "auto" and exact_for_graph(converted)):
+    elif cpu_kernels == "onednn" or (cpu_kernels == "auto" and reason is None):
         target = Target.ONEDNN
-        if not exact_for_graph(converted):
-            warnings.warn(
-                "oneDNN int8 on a CPU without VNNI saturates int16 sums with 8-bit activations; results "
-                "are not exact (quantize with QuantConfig(activation='affine-uint7') to make them exact)",
-                stacklevel=2,
-            )
+        if reason is not None:
+            hint = "" if "per-token" in reason else " (quantize with QuantConfig(activation='affine-uint7') to make them exact)"
+            warnings.warn("oneDNN int8 on a CPU without VNNI saturates int16 sums with 8-bit activations; results "
+                          f"are not exact{hint}", stacklevel=2)
+            reason = None
     else:
         target = None
+        if cpu_kernels != "auto":
+            reason = None
     # validates on CUDA too; "auto" is bf16 only where oneDNN int8 runs (not weight-only graphs: no activation q/dq)
     dtype = resolve_float_dtype(float_dtype, onednn=target is Target.ONEDNN and _has_qdq(converted), graph=converted)
     gm = copy.deepcopy(converted)
     ctx = LoweringContext("cuda" if target is Target.TRITON else "cpu", target, cpu_kernels, dtype, fp8_kernel)
     gm.meta[LOWERING_META_KEY] = counts = run_lowerings(gm, ctx)  # every registered pass that applies, in order
+    if reason is not None:
+        gm.meta[REFERENCE_META_KEY] = reason
     for p in gm.parameters():
         p.requires_grad_(False)  # inference graph: lets Inductor freeze (fold) the weights
     compiled = torch.compile(gm, **torch_compile_kwargs)

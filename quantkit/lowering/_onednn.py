@@ -22,12 +22,15 @@ from .._qmath import default_qrange
 from quantkit.kernels._cpu_isa import cpu_has
 
 
-__all__ = ["int8_activations_to_uint8", "clamp_reduced_range_quantizes", "exact_on_this_cpu", "exact_for_graph"]
+__all__ = ["int8_activations_to_uint8", "clamp_reduced_range_quantizes", "exact_on_this_cpu", "exact_for_graph",
+           "why_reference"]
 
 aten = torch.ops.aten
 _Q = torch.ops.quantized_decomposed
 _QUANT = (_Q.quantize_per_tensor.default, _Q.quantize_per_tensor.tensor)
 _DEQUANT = (_Q.dequantize_per_tensor.default, _Q.dequantize_per_tensor.tensor)
+# per-token int8 activations (-127..127; lowered by _per_token.py): oneDNN shifts them to uint8
+_DEQUANT_PER_TOKEN = _Q.dequantize_per_token.default
 # ops whose dequantized activation input Inductor's freezing patterns hand to oneDNN int8
 _ONEDNN_CONSUMERS = {
     aten.linear.default, aten.conv1d.default, aten.conv2d.default, aten.conv3d.default,
@@ -49,6 +52,26 @@ def exact_on_this_cpu() -> bool:
     return any(cpu_has(k) for k in ("avx512_vnni", "avx_vnni", "amx_int8"))
 
 
+def _saturating_activation(gm: GraphModule) -> str | None:
+    """What kind of activation oneDNN would saturate on in ``gm`` on this CPU (None: none would)."""
+    if exact_on_this_cpu():
+        return None
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _ONEDNN_CONSUMERS:
+            continue
+        x = node.args[0]
+        if not isinstance(x, Node) or x.op != "call_function":
+            continue
+        if x.target is _DEQUANT_PER_TOKEN:
+            return "per-token int8"
+        if x.target not in _DEQUANT:
+            continue
+        _, _, _, qmin, qmax, dtype = x.args[:6]
+        if dtype != torch.uint8 or not 0 <= qmin <= qmax <= _MAX_U8_WITHOUT_VNNI:
+            return "dynamic 8-bit" if x.target is _Q.dequantize_per_tensor.tensor else "8-bit"
+    return None
+
+
 def exact_for_graph(gm: GraphModule) -> bool:
     """Whether oneDNN int8 gives the reference q/dq results for ``gm`` on this CPU.
 
@@ -58,24 +81,30 @@ def exact_for_graph(gm: GraphModule) -> bool:
     the int8 weights in -128..127, two products then sum to at most 2 * 127 * 128 = 32512 and
     the int16 cannot saturate. The bound is on the stored integers, not on the number of
     levels: a uint8 range 100..227 has 128 levels but still overflows. Int8 activations do not
-    qualify: oneDNN (and the pre-pass below) shift them by 128 to uint8 first.
+    qualify: oneDNN (and the pre-pass below) shift them by 128 to uint8 first; that includes
+    per-token activations (symmetric int8 in -127..127, ``_per_token.py``), which are therefore
+    exact only on VNNI/AMX CPUs.
 
     A graph mixing 7-bit and 8-bit activations is not exact as a whole; Inductor's freezing
     patterns rewrite every match, with no per-layer opt-out, so such a graph is reported
     not exact and ``auto`` keeps all of it on the reference path.
     """
-    if exact_on_this_cpu():
-        return True
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target not in _ONEDNN_CONSUMERS:
-            continue
-        x = node.args[0]
-        if not isinstance(x, Node) or x.target not in _DEQUANT:
-            continue
-        _, _, _, qmin, qmax, dtype = x.args[:6]
-        if dtype != torch.uint8 or not 0 <= qmin <= qmax <= _MAX_U8_WITHOUT_VNNI:
-            return False
-    return True
+    return _saturating_activation(gm) is None
+
+
+def why_reference(gm: GraphModule) -> str | None:
+    """One line saying why ``cpu_kernels="auto"`` keeps ``gm``'s int8 layers on the reference q/dq graph
+    on this CPU, or None where it lowers them to oneDNN (or there is nothing for oneDNN to run).
+
+    Example:
+        >>> why_reference(converted)  # on an AVX2-only CPU, a per-token graph
+        'no VNNI/AMX on this CPU: int8 GEMMs of per-token int8 activations would saturate; running the reference q/dq graph'
+    """
+    kind = _saturating_activation(gm)
+    if kind is None:
+        return None
+    return (f"no VNNI/AMX on this CPU: int8 GEMMs of {kind} activations would saturate; "
+            "running the reference q/dq graph")
 
 
 def int8_activations_to_uint8(gm: GraphModule) -> int:
