@@ -6,6 +6,7 @@ latency meter replaced by a fake (compiling is what makes the real one slow; it 
 benchmarks/, not in unit tests).
 """
 
+import inspect
 import json
 from pathlib import Path
 
@@ -63,8 +64,8 @@ def test_search_order_is_measured_and_a_later_recipe_is_tried_only_when_faster()
     built, evaluate, latency, bound = _mock(scores, latencies, {"static": 10.0, "per-token": 12.0})
     _, trials, best, reason = at.search(list(R.values()), evaluate, 0.999, latency=latency, lower_bound=bound)
     assert built[-2:] == ["fallback", "per-token"] and trials[best].recipe == "per-token"
-    assert reason == ("meets the target (0.99920 >= 0.999) and is measurably faster than fallback "
-                      "(12.50 vs 20.00 ms)")
+    assert reason == ("meets the target (0.99920 >= 0.999) and is the fastest that does "
+                      "(12.50 ms; fallback 20.00 ms)")
     assert trials[-1].status.startswith("skipped: cannot beat per-token")
 
 
@@ -213,7 +214,11 @@ def test_cli_unreachable_target_writes_the_best_with_a_warning(mlp_files, tmp_pa
     best = max(tuned["trials"], key=lambda t: t["score"])
     assert tuned["chosen"] == best["recipe"] and abs(rep["metric"]["mean_cosine"] - best["score"]) < 1e-9
     assert doc["recipe"]["observer"] == ("histogram" if best["recipe"] == "histogram" else "minmax")
-    assert tuned["speed"] == {"int8_ms": 2.0, "fp32_ms": 6.0, "bf16_ms": 3.0, "vs_fp32": 3.0, "vs_bf16": 1.5}
+    # a meter without a noise margin of its own: the default 5%
+    assert tuned["speed"] == {"int8_ms": 2.0, "fp32_ms": 6.0, "bf16_ms": 3.0, "vs_fp32": 3.0, "vs_bf16": 1.5,
+                              "noise": 0.05}
+    assert tuned["verdict"] is None  # 2 ms against bf16's 3: faster, no warning
+    assert all(t["size_bytes"] > 0 for t in tuned["trials"])
     md = (out / "report.md").read_text()
     assert "## Recipe search" in md and "NOT met" in md and "(**3.00x**)" in md
     assert tuned["cache_notes"] == ["planted note"] and "- planted note" in md  # the meter's notes are reported
@@ -233,16 +238,18 @@ def test_latency_cache_is_keyed_by_graph_structure(tmp_path, monkeypatch):
     q = {name: quantkit.quantize(gm, calib[0], calib, W8A8Quantizer(cfg), progress=False) for name, cfg in
          {"minmax": QuantConfig(), "histogram": QuantConfig(act_observer="histogram"),
           "per-token": QuantConfig(dynamic=True, granularity="per-token")}.items()}
-    meter = _latency.Meter(gm, calib[0])
+    # compiled measurements (the cost model's estimates, the default since issue 28, compile nothing)
+    timed_kw = {"measure": True} if "measure" in inspect.signature(_latency.Meter).parameters else {}
+    meter = _latency.Meter(gm, calib[0], **timed_kw)
     assert meter.int8(q["minmax"], "static") == 7.0 and meter.measured == 1
     # same ops, other ranges: the same lowered kernels, one measurement
     assert meter.int8(q["histogram"], "static") == 7.0 and meter.measured == 1
     assert meter.int8(q["per-token"], "per-token") == 7.0 and meter.measured == 2
     # a new run recalls both from the file; another input shape is another key
-    again = _latency.Meter(gm, calib[0])
+    again = _latency.Meter(gm, calib[0], **timed_kw)
     again.int8(q["minmax"], "static"), again.int8(q["per-token"], "per-token")
     assert again.measured == 0 and len(timed) == 2
-    other = _latency.Meter(gm, (x[:32],))
+    other = _latency.Meter(gm, (x[:32],), **timed_kw)
     other.int8(q["minmax"], "static")
     assert other.measured == 1
     doc = json.loads((tmp_path / "latency.json").read_text())

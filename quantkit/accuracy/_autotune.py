@@ -27,7 +27,8 @@ from ..quantizers._scheme import get_scheme
 from ._metrics import Evaluator, reiterable
 
 __all__ = ["AutoRecipe", "RECIPES", "Trial", "AutotuneReport", "autotune", "search", "recipe_names",
-           "fallback_search", "DEFAULT_TARGETS"]
+           "fallback_search", "DEFAULT_TARGETS", "fastest", "mark_pareto", "model_bytes", "speed_verdict",
+           "float_baseline"]
 
 # default targets per metric (issue 17): embeddings / regression outputs held-out mean cosine
 # >= 0.999; classifiers top-1 agreement >= 99%
@@ -118,8 +119,10 @@ def recipe_names() -> list[str]:
 
 @dataclass
 class Trial:
-    """One recipe tried: its held-out metric, compiled latency (ms, None when not measured)
-    and what happened (``met``, ``below target``, ``skipped: ...``, ``failed: ...``)."""
+    """One recipe tried: its held-out metric, compiled latency (ms, None when not measured), the
+    size of its tensors (bytes), whether it is on the Pareto front of (accuracy, latency, size)
+    among the candidates scored (None when it lacks one of the three), and what happened (``met``,
+    ``below target``, ``skipped: ...``, ``failed: ...``)."""
 
     recipe: str
     status: str
@@ -127,6 +130,8 @@ class Trial:
     latency_ms: float | None = None
     seconds: float = 0.0
     details: dict = field(default_factory=dict)
+    size_bytes: int | None = None
+    pareto: bool | None = None
 
 
 @dataclass
@@ -141,6 +146,9 @@ class AutotuneReport:
         trials: every recipe in order, tried or skipped.
         eval_source: where the held-out data came from.
         speed: compiled latencies (ms) of the chosen model and, when measured, fp32 and bf16.
+        verdict: one line when the chosen model is slower than the float model compiled in bf16
+            (fp32 where this CPU has no native BF16), naming the best alternative (see
+            :func:`speed_verdict`); None otherwise. ``trials`` marks the Pareto front (``*``).
         notes: latency-cache entries (or the cache file) that were ignored and measured again, one
             line each (a cache is data: only finite positive latencies are taken from it).
     """
@@ -154,6 +162,7 @@ class AutotuneReport:
     eval_source: str = ""
     speed: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
+    verdict: str | None = None
 
     @property
     def chosen_trial(self) -> Trial:
@@ -173,34 +182,97 @@ class AutotuneReport:
         for t in self.trials:
             score = "-" if t.score is None else f"{t.score:.5f}"
             lat = "-" if t.latency_ms is None else f"{t.latency_ms:.2f} ms"
-            lines.append(f"  {t.recipe:<24} {score:>9} {lat:>12}  {t.status}")
+            size = "-" if t.size_bytes is None else f"{t.size_bytes / 1e6:.1f} MB"
+            front = " *" if t.pareto else "  "
+            lines.append(f"  {t.recipe:<24} {score:>9} {lat:>12} {size:>9}{front} {t.status}")
+        if self.verdict:
+            lines.append(f"  {self.verdict}")
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
+
+
+def _by_bound(recipes: Sequence[AutoRecipe], bounds: dict, noise: float) -> list[AutoRecipe]:
+    """``recipes`` sorted by the latency bound of their kind of lowering, bounds within ``noise`` of
+    the fastest of their group counting as equal (then the given order decides): a re-measured
+    bound that moves within the noise does not reorder the search."""
+    known = sorted({b for b in bounds.values() if b is not None})
+    rank: dict[float, int] = {}
+    group, head = -1, None
+    for b in known:
+        if head is None or b > head * (1 + noise):
+            group, head = group + 1, b
+        rank[b] = group
+    last = len(known) + 1
+    return sorted(recipes, key=lambda r: last if bounds[r.lowering] is None else rank[bounds[r.lowering]])
+
+
+def fastest(trials: Sequence[Trial], order: Sequence[str], noise: float) -> int | None:
+    """Index in ``trials`` of the fastest that met the target: latencies within ``noise`` (relative)
+    of the fastest are ties, broken by ``order`` (the fixed recipe order), so that timing noise
+    does not change the choice. Without latencies, the first that met it."""
+    met = [i for i, t in enumerate(trials) if t.status == "met"]
+    if not met:
+        return None
+    timed = [i for i in met if trials[i].latency_ms is not None]
+    if not timed:
+        return met[0]
+    best = min(trials[i].latency_ms for i in timed)
+    rank = {name: k for k, name in enumerate(order)}
+    ties = [i for i in timed if trials[i].latency_ms <= best * (1 + noise)]
+    return min(ties, key=lambda i: (rank.get(trials[i].recipe, len(rank)), i))
+
+
+def mark_pareto(trials: Sequence[Trial]) -> None:
+    """Set ``pareto`` on every scored trial: True when no other candidate is at least as accurate,
+    as fast and as small and better in one of them; None where a trial lacks one of the three."""
+    full = [t for t in trials if t.score is not None and t.latency_ms is not None and t.size_bytes is not None]
+    for t in trials:
+        t.pareto = None
+    for t in full:
+        t.pareto = not any(o is not t and o.score >= t.score and o.latency_ms <= t.latency_ms
+                           and o.size_bytes <= t.size_bytes
+                           and (o.score > t.score or o.latency_ms < t.latency_ms or o.size_bytes < t.size_bytes)
+                           for o in full)
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the tensors a model holds (each stored tensor once): int8 weights count 1 byte an
+    element, float ones 4 (2 in bf16); the artifact's file adds its program and metadata."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
 
 
 def search(recipes: Sequence[AutoRecipe], evaluate: Callable[[AutoRecipe, list[Trial]], tuple[Any, float, dict]],
            target: float, *, latency: Callable[[AutoRecipe, Any], float] | None = None,
            lower_bound: Callable[[AutoRecipe], float | None] | None = None,
-           say: Callable[[str], None] | None = None) -> tuple[Any, list[Trial], int, str]:
+           say: Callable[[str], None] | None = None, noise: float = SPEED_MARGIN,
+           size: Callable[[Any], int] | None = None, time_all: bool = False) -> tuple[Any, list[Trial], int, str]:
     """The search itself, independent of models: returns ``(model, trials, chosen index, reason)``.
 
     ``evaluate(recipe, trials_so_far) -> (model, score, details)`` builds and scores a recipe;
-    ``latency(recipe, model)`` measures a compiled model (ms); ``lower_bound(recipe)`` is the
-    measured latency of the recipe's kind of lowering, or None when unknown. Recipes run in
-    order; the first meeting ``target`` wins, and a later recipe is tried only when its lower
-    bound is at least :data:`SPEED_MARGIN` faster than the winner (then the faster one that
-    meets the target wins). Without ``latency`` the first recipe meeting the target wins.
-    With ``lower_bound``, the order is first sorted (stably) by the measured latency of each
-    recipe's kind of lowering: the order is measured, not assumed (on a CPU without an int8
-    per-token kernel, a static recipe with float fallback comes before per-token ones).
+    ``latency(recipe, model)`` gives a model's compiled latency (ms); ``lower_bound(recipe)`` is the
+    latency of the recipe's kind of lowering, or None when unknown; ``size(model)`` its bytes.
+    With ``lower_bound``, the order is first sorted (stably) by the bound of each recipe's kind
+    (bounds within ``noise`` of each other keep the given order): the order is measured, not
+    assumed. A recipe is skipped once a winner exists unless its bound is more than ``noise``
+    faster than the winner (it cannot win otherwise). The winner is the fastest candidate
+    meeting ``target``, latencies within ``noise`` being ties broken by the given order (see
+    :func:`fastest`); without ``latency``, the first meeting it. ``time_all``: also time the
+    candidates below the target (cheap when latencies are estimated), for the Pareto front.
     A recipe that raises a ValueError/RuntimeError is recorded as failed and skipped.
     """
     trials: list[Trial] = []
     models: dict[int, Any] = {}
     winner: int | None = None
+    order = [r.name for r in recipes]
     if latency is not None and lower_bound is not None:
         bounds = {r.lowering: lower_bound(r) for r in recipes}
-        recipes = sorted(recipes, key=lambda r: math.inf if bounds[r.lowering] is None else bounds[r.lowering])
+        recipes = _by_bound(recipes, bounds, noise)
     for recipe in recipes:
         if winner is not None:
             best = trials[winner]
@@ -208,7 +280,7 @@ def search(recipes: Sequence[AutoRecipe], evaluate: Callable[[AutoRecipe, list[T
                 trials.append(Trial(recipe.name, f"skipped: {best.recipe} already meets the target"))
                 continue
             bound = lower_bound(recipe) if lower_bound is not None else None
-            if bound is None or bound >= best.latency_ms * (1 - SPEED_MARGIN):
+            if bound is None or bound >= best.latency_ms * (1 - noise):
                 why = ("its kind of lowering is not measured" if bound is None else
                        f"its {recipe.lowering} lowering takes {bound:.2f} ms, not faster than {best.latency_ms:.2f} ms")
                 trials.append(Trial(recipe.name, f"skipped: cannot beat {best.recipe} ({why})"))
@@ -226,22 +298,24 @@ def search(recipes: Sequence[AutoRecipe], evaluate: Callable[[AutoRecipe, list[T
                       seconds=round(time.perf_counter() - t0, 2), details=details)
         trials.append(trial)
         models[len(trials) - 1] = model
+        if size is not None:
+            trial.size_bytes = int(size(model))
         if say is not None:
             say(f"autotune: {recipe.name}: {score:.5f} ({trial.status})")
-        if score < target:
-            continue
-        if latency is not None:
+        if latency is not None and (score >= target or time_all):
             trial.latency_ms = latency(recipe, model)
-        if winner is None or (trial.latency_ms is not None and trials[winner].latency_ms is not None
-                              and trial.latency_ms < trials[winner].latency_ms * (1 - SPEED_MARGIN)):
-            winner = len(trials) - 1
+        if score >= target:
+            winner = fastest(trials, order, noise)
         for i in list(models):  # keep only the winner's model alive (memory)
             if i != winner:
                 del models[i]
+    mark_pareto(trials)
     scored = [i for i, t in enumerate(trials) if t.score is not None]
     if winner is not None:
         w = trials[winner]
         first = next(i for i, t in enumerate(trials) if t.status == "met")
+        ties = [t for t in trials if t.status == "met" and t is not w and t.latency_ms is not None
+                and w.latency_ms is not None and t.latency_ms <= w.latency_ms * (1 + noise)]
         if first == winner:
             earlier = [t.recipe for t in trials[:winner] if t.score is not None]
             reason = (f"the first recipe meeting the target ({w.score:.5f} >= {target:g})"
@@ -249,8 +323,11 @@ def search(recipes: Sequence[AutoRecipe], evaluate: Callable[[AutoRecipe, list[T
             if w.latency_ms is not None:
                 reason += f"; compiled {w.latency_ms:.2f} ms"
         else:
-            reason = (f"meets the target ({w.score:.5f} >= {target:g}) and is measurably faster than "
-                      f"{trials[first].recipe} ({w.latency_ms:.2f} vs {trials[first].latency_ms:.2f} ms)")
+            reason = (f"meets the target ({w.score:.5f} >= {target:g}) and is the fastest that does "
+                      f"({w.latency_ms:.2f} ms; {trials[first].recipe} {trials[first].latency_ms:.2f} ms)")
+        if ties:
+            reason += (f"; {', '.join(t.recipe for t in ties)} within the {100 * noise:g}% noise margin: "
+                       "a tie, broken by the fixed recipe order")
         return models[winner], trials, winner, reason
     if not scored:
         raise QuantkitError("autotune: every recipe failed: " + "; ".join(f"{t.recipe}: {t.status}" for t in trials))
@@ -264,11 +341,53 @@ def search(recipes: Sequence[AutoRecipe], evaluate: Callable[[AutoRecipe, list[T
     return model, trials, best, reason
 
 
-def fallback_search(variants, evaluator, budget: float, *, rank_evaluator=None, progress: bool = False):
+def float_baseline(floats: dict) -> tuple[str, float] | None:
+    """``(label, ms)`` of the float model to beat: compiled in bf16 where this CPU has native BF16,
+    else in fp32 (emulated bf16 is no baseline). ``floats`` is ``Meter.floats``'s dict."""
+    bf16, native = floats.get("bf16_ms"), floats.get("bf16_native")
+    if native is None:  # a Meter that does not say: bf16 counts where it was timed at all
+        native = bf16 is not None
+    if native and bf16:
+        return "bf16", float(bf16)
+    fp32 = floats.get("fp32_ms")
+    return ("fp32", float(fp32)) if fp32 else None
+
+
+def speed_verdict(trials: Sequence[Trial], chosen: int, floats: dict, noise: float = SPEED_MARGIN) -> str | None:
+    """One line when the chosen recipe is slower than the float model compiled in bf16 (fp32 where
+    BF16 is not native), naming the best alternative; None when it is faster (or not timed).
+
+    The alternative is the most accurate candidate faster than the float model, if any (say
+    which target it misses), else the float model itself."""
+    base = float_baseline(floats)
+    w = trials[chosen]
+    if base is None or w.latency_ms is None:
+        return None
+    label, ms = base
+    if w.latency_ms <= ms * (1 + noise):
+        return None
+    quicker = [t for t in trials if t.score is not None and t.latency_ms is not None and t.latency_ms < ms
+               and t is not w]
+    if quicker:
+        alt = max(quicker, key=lambda t: t.score)
+        other = (f"--recipe {alt.recipe} ({alt.latency_ms:.1f} ms, {alt.score:.5f}"
+                 f"{', below the target' if alt.status != 'met' else ''})")
+        hint = f"for speed, {other}, or the float model compiled in {label}"
+    else:
+        hint = f"for speed, run the float model compiled in {label}; no candidate is faster"
+    return (f"the chosen recipe {w.recipe} ({w.latency_ms:.1f} ms) is slower than the float model compiled in "
+            f"{label} ({ms:.1f} ms); {hint}")
+
+
+def fallback_search(variants, evaluator, budget: float, *, rank_evaluator=None, progress: bool = False,
+                    build: bool = True):
     """Keep the fewest most-sensitive layers float so ``evaluator`` drops at most ``budget``:
     the search of :func:`quantkit.auto_fallback`, for any evaluator with ``reference``,
     ``score(model)`` and ``data``; ``rank_evaluator`` (e.g. fewer batches) ranks the layers
-    (one evaluation per layer), ``evaluator`` decides. Returns ``(model, float layer names, score)``."""
+    (one evaluation per layer), ``evaluator`` decides. Every configuration is scored on a scoring
+    copy (:meth:`Variants.variant`: no prepare or convert); the returned model is a real build
+    (``build=False``: the scoring copy, for a caller that builds the artifact itself, as the CLI
+    does from ``--skip`` patterns). Returns ``(model, float layer names, score)``."""
     from ._fallback import _Search
     from ._sensitivity import SensitivityMode, measure
 
@@ -282,7 +401,7 @@ def fallback_search(variants, evaluator, budget: float, *, rank_evaluator=None, 
     if keep and len(keep) == len(variants.layers):
         raise ValueError(f"the fallback keeps every one of the {len(keep)} layers float (nothing left to "
                          "quantize); the target is out of reach for int8")
-    model = variants.build(keep)
+    model = variants.build(keep) if build else variants.variant(keep)
     return model, keep, s.score(keep)
 
 
@@ -379,26 +498,43 @@ def autotune(model: torch.nn.Module, example_inputs: Any, calib: Iterable, eval_
         return q, evaluator.score(q), {}
 
     meter = _latency.Meter(gm, example_inputs) if measure_latency else None
+    noise, cheap = _meter_noise(meter), _estimates(meter)
     say = print if progress else None
     qmodel, trials, best, reason = search(
         chosen, evaluate, target, latency=(lambda r, q: meter.int8(q, r.lowering)) if meter else None,
         lower_bound=(lambda r: meter.kind(r.lowering, lambda: _quick(r, gm, example_inputs, calib)))
-        if meter else None, say=say)
+        if meter else None, say=say, noise=noise, size=model_bytes, time_all=cheap)
     name = getattr(metric, "__name__", str(metric))
     report = AutotuneReport(name, float(target), trials[best].recipe, trials[best].status == "met", reason,
                             trials, source)
     if meter is not None and trials[best].latency_ms is None:
         trials[best].latency_ms = meter.int8(qmodel, RECIPES.get(trials[best].recipe, chosen[0]).lowering)
     report.speed = {"int8_ms": trials[best].latency_ms}
-    if compare_speed and meter is not None:
+    if (compare_speed or cheap) and meter is not None:
         try:
-            report.speed.update(meter.floats(model))
+            report.speed.update(meter.floats(gm if cheap else model))
+            report.verdict = speed_verdict(trials, best, report.speed, noise)
         except Exception as exc:  # e.g. a graph with float32 constants baked in cannot run in bf16
             report.speed["error"] = " ".join(str(exc).split())[:150] or type(exc).__name__
+    if meter is not None:
+        report.speed["noise"] = noise
+        report.speed["sources"] = dict(getattr(meter, "sources", {}) or {})
     report.notes = list(meter.notes) if meter is not None else []
     if not report.met:
         warnings.warn(f"autotune: {reason}; returning it anyway", stacklevel=2)
     return qmodel, report
+
+
+def _meter_noise(meter) -> float:
+    """The meter's tie margin (``Meter.noise``; :data:`SPEED_MARGIN` for a meter without one)."""
+    noise = getattr(meter, "noise", None)
+    return float(noise) if isinstance(noise, (int, float)) and 0 <= noise < 1 else SPEED_MARGIN
+
+
+def _estimates(meter) -> bool:
+    """Whether the meter's latencies are cheap estimates (nothing compiled): then every candidate
+    is timed, and the float models too."""
+    return meter is not None and getattr(meter, "measure", True) is False
 
 
 def _quick(r: AutoRecipe, gm, example_inputs, calib):

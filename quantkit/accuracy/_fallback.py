@@ -97,7 +97,8 @@ class _Search:
     def score(self, names) -> float:
         key = frozenset(names)
         if key not in self.scores:
-            self.scores[key] = self.evaluator.score(self.variants.build(key))
+            # a scoring copy (no prepare, no convert; see Variants.variant): the result is rebuilt for real
+            self.scores[key] = self.evaluator.score(self.variants.variant(key))
             self.trials.append((tuple(names), self.scores[key]))
         return self.scores[key]
 

@@ -108,10 +108,10 @@ def measure(variants: Variants, evaluator: Evaluator, mode: SensitivityMode,
     entries = []
     for layer in tqdm(variants.layers, desc="sensitivity", unit="layer", disable=not progress, leave=False):
         if mode is SensitivityMode.QUANTIZE_ONE:
-            score = evaluator.score(variants.build([n for n in names if n != layer.name]))
+            score = evaluator.score(variants.variant([n for n in names if n != layer.name]))
             entries.append(LayerSensitivity(layer, score, evaluator.reference - score))
         else:
-            score = evaluator.score(variants.build([layer.name]))
+            score = evaluator.score(variants.variant([layer.name]))
             entries.append(LayerSensitivity(layer, score, score - quantized_score))
     # stable: ties keep graph order
     entries.sort(key=lambda e: -e.sensitivity)

@@ -177,15 +177,19 @@ def _quantized_weight(w: torch.Tensor, config) -> torch.Tensor:
     return fake_quantize(w, scale, zp, -128, 127, torch.int8, axis=axis)
 
 
-def _w8a8_error(rows, mn, mx, weights, s, config) -> float:
+def _w8a8_error(rows, mn, mx, weights, s, config, refs=None) -> float:
     """Squared output error of the smoothed linears under ``config`` (a ``QuantConfig``):
-    its activation scheme and granularity, and its weight observer."""
+    its activation scheme and granularity, and its weight observer. ``refs``: the float outputs
+    ``rows @ w.T`` (they do not depend on ``s``: the alpha search computes them once per group,
+    half its matmuls; the same products, so the same errors)."""
     s = s.float()
     xq = _quantized_acts(rows / s, (mn / s).min(), (mx / s).max(), config)
+    if refs is None:
+        refs = [rows @ w.T for w in weights]
     err = 0.0
-    for w in weights:
+    for w, ref in zip(weights, refs):
         wq = _quantized_weight(w * s, config)
-        err += float((rows @ w.T - xq @ wq.T).double().pow(2).sum())
+        err += float((ref - xq @ wq.T).double().pow(2).sum())
     return err
 
 
@@ -261,7 +265,8 @@ def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | st
         chosen = alpha
         if alpha == "auto":
             rows = torch.cat(st.rows)
-            errors = [_w8a8_error(rows, st.min, st.max, weights, _scales(act_max, w_max, a), config)
+            refs = [rows @ w.T for w in weights]
+            errors = [_w8a8_error(rows, st.min, st.max, weights, _scales(act_max, w_max, a), config, refs)
                       for a in _AUTO_GRID]
             chosen = _AUTO_GRID[min(range(len(errors)), key=errors.__getitem__)]
         layers = [layer_of(lin) for lin in group.linears]

@@ -150,8 +150,10 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
             b = at._best_static(trials)
             cli = _as_cli(b, base)
             variants = Variants(graph_for(b, cli), None, calib, cli.quantizer(module_names))
+            # build=False: the scoring copy stands in for the model (quantize builds the artifact from
+            # the --skip patterns below, for real, and measures it afresh)
             q, keep, score = at.fallback_search(variants, evaluator, evaluator.reference - target,
-                                                rank_evaluator=evaluator.head(1), progress=progress)
+                                                rank_evaluator=evaluator.head(1), progress=progress, build=False)
             layers = [layer for layer in variants.layers if layer.name in keep]
             skip = sorted({layer.module for layer in layers if layer.module})
             if len(skip) < len(layers):  # a top-level op has no module to name with --skip
@@ -174,28 +176,35 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
 
     auto_mode = len(recipes) > 1
     meter = _latency.Meter(gm, calib[0]) if auto_mode else None
+    noise, estimated = at._meter_noise(meter), at._estimates(meter)
     say = (lambda s: print(s, flush=True)) if progress else None
     qmodel, trials, best, reason = at.search(
         recipes, evaluate, target,
         latency=(lambda r, q: meter.int8(q, r.lowering)) if meter else None,
         lower_bound=(lambda r: meter.kind(r.lowering, lambda: _quick(r))) if meter else None,
-        say=say)
+        say=say, noise=noise, size=at.model_bytes, time_all=estimated)
     chosen = trials[best]
-    speed = {}
+    speed, verdict = {}, None
     if meter is not None:
         try:
             if chosen.latency_ms is None:
                 chosen.latency_ms = meter.int8(qmodel, at.RECIPES[chosen.recipe].lowering)
-            speed = {"int8_ms": chosen.latency_ms, **meter.floats(loaded.model)}
+            speed = {"int8_ms": chosen.latency_ms, **meter.floats(gm if estimated else loaded.model)}
             speed["vs_fp32"] = round(speed["fp32_ms"] / speed["int8_ms"], 2)
-            speed["vs_bf16"] = round(speed["bf16_ms"] / speed["int8_ms"], 2)
+            if speed.get("bf16_ms"):
+                speed["vs_bf16"] = round(speed["bf16_ms"] / speed["int8_ms"], 2)
+            verdict = at.speed_verdict(trials, best, speed, noise)
         except Exception as exc:  # report, don't fail: the artifact stands without the timing
             speed = {"error": " ".join(str(exc).split())[:150] or type(exc).__name__}
+        speed["noise"] = noise
+    sources = dict(getattr(meter, "sources", {}) or {}) if meter is not None else {}
+    how = ("estimated per kernel (accuracy/_costmodel: nothing compiled)" if estimated else
+           "compiled (quantkit.compile / Inductor freezing), median ms per call on one calibration batch")
     doc = {"mode": "auto" if auto_mode else "forced", "metric": key, "target": target,
            "chosen": chosen.recipe, "met": chosen.status == "met", "reason": reason,
-           "trials": [dataclasses.asdict(t) for t in trials], "speed": speed,
-           "latency_note": "compiled (quantkit.compile / Inductor freezing), median ms per call on one "
-                           "calibration batch, cached in " + str(_latency.cache_path()),
+           "trials": [dataclasses.asdict(t) for t in trials], "speed": speed, "verdict": verdict,
+           "latency_sources": sources,
+           "latency_note": how + ", cached in " + str(_latency.cache_path()),
            "cache_notes": list(meter.notes) if meter is not None else []}
     if not auto_mode:
         doc["reason"] = f"forced with --recipe {chosen.recipe}"
@@ -204,11 +213,19 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
 
 
 def summary_line(doc: dict) -> str:
+    """The terminal's line on the search: the winner and its speed-up over float, or, when it is
+    slower than the float model compiled in bf16 (fp32 without native BF16), that verdict instead
+    (``doc["verdict"]``, :func:`quantkit.accuracy._autotune.speed_verdict`): never a speed-up it is not."""
     if not doc["trials"]:
         return f"recipe {doc['chosen']} ({doc['reason']})"
+    if doc.get("verdict"):
+        return f"recipe {doc['chosen']} ({doc['reason']}); warning: {doc['verdict']}"
     s = doc.get("speed") or {}
-    speed = (f"; compiled {s['int8_ms']:.1f} ms per batch = {s['vs_fp32']:.2f}x fp32, {s['vs_bf16']:.2f}x bf16"
-             if "vs_fp32" in s else "")
+    speed = ""
+    if "vs_fp32" in s:
+        speed = f"; compiled {s['int8_ms']:.1f} ms per batch = {s['vs_fp32']:.2f}x fp32"
+        if s.get("vs_bf16") and s.get("bf16_native", True):
+            speed += f", {s['vs_bf16']:.2f}x bf16"
     return f"recipe {doc['chosen']} ({doc['reason']}){speed}"
 
 

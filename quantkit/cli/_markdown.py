@@ -100,18 +100,28 @@ def render_autotune(doc: dict) -> list[str]:
     """report.md lines for the recipe search."""
     if not doc["trials"]:
         return [f"Recipe {doc['chosen']}: {doc['reason']}.", ""]
-    rows = [{"recipe": t["recipe"], doc["metric"]: "-" if t["score"] is None else t["score"],
-             "compiled ms": "-" if t["latency_ms"] is None else t["latency_ms"], "result": t["status"],
+    dash = lambda v: "-" if v is None else v  # noqa: E731
+    rows = [{"recipe": t["recipe"], doc["metric"]: dash(t["score"]), "compiled ms": dash(t["latency_ms"]),
+             "bytes": dash(t.get("size_bytes")),
+             "Pareto": {True: "yes", False: "no"}.get(t.get("pareto"), "-"), "result": t["status"],
              "float layers": ", ".join(t["details"].get("float_layers", [])) or "-"} for t in doc["trials"]]
     lines = ["## Recipe search" if doc["mode"] == "auto" else "## Recipe", "",
              f"Target: held-out {doc['metric']} >= {doc['target']:g}. Chosen: **{doc['chosen']}** "
              f"({'met' if doc['met'] else 'NOT met'}): {doc['reason']}.", "",
-             render_table(rows, ["recipe", doc["metric"], "compiled ms", "result", "float layers"]), ""]
+             render_table(rows, ["recipe", doc["metric"], "compiled ms", "bytes", "Pareto", "result",
+                                 "float layers"]), "",
+             "The winner is the fastest candidate meeting the target; latencies within "
+             f"{100 * (doc.get('speed') or {}).get('noise', 0.05):g}% of each other are ties, broken by the "
+             "fixed recipe order. Pareto: no other candidate is as accurate, as fast and as small and better "
+             "in one (accuracy, latency, tensor bytes).", ""]
+    if doc.get("verdict"):
+        lines += [f"**{doc['verdict'][0].upper()}{doc['verdict'][1:]}.**", ""]
     s = doc.get("speed") or {}
     if "vs_fp32" in s:
+        bf16 = (f", bf16 {s['bf16_ms']:.2f} ms (**{s['vs_bf16']:.2f}x**)" if s.get("vs_bf16")
+                else "; bf16 not compared (no native BF16 on this CPU)")
         lines += [f"Compiled speed of the chosen recipe: {s['int8_ms']:.2f} ms per batch; fp32 {s['fp32_ms']:.2f} ms "
-                  f"(**{s['vs_fp32']:.2f}x**), bf16 {s['bf16_ms']:.2f} ms (**{s['vs_bf16']:.2f}x**). "
-                  f"{doc['latency_note']}.", ""]
+                  f"(**{s['vs_fp32']:.2f}x**){bf16}. {doc['latency_note']}.", ""]
     elif "error" in s:
         lines += [f"Compiled speed not measured: {s['error']}.", ""]
     if doc.get("cache_notes"):

@@ -6,6 +6,15 @@ prepared and calibrated once with every layer quantized; each variant is prepare
 :class:`KeepFloat` and its observers are copies of the calibrated ones that watch the
 same tensors. Where that match is not exact (e.g. observers shared across several
 tensors change with the variant), the variant is calibrated afresh.
+
+A search scores dozens of variants (issue 28: 59 builds of ~0.8 s each, prepare + convert, were a
+third of the default ``quantkit quantize``), so :meth:`Variants.variant` builds a *scoring* copy
+without a prepare or convert: the one converted graph with the kept-float layers pointed at their
+float weights and the quantize/dequantize pairs that served only them bypassed, which is what a
+:class:`KeepFloat` build gives (the same ops on the same values). Where that cannot be guaranteed
+(dynamic qparams, a weight that is not a plain attribute, or a first variant that is not
+bit-equal to its real build) it is the real :meth:`build`. The artifact is always built the real
+way.
 """
 
 from __future__ import annotations
@@ -16,14 +25,15 @@ from typing import Iterable
 import torch
 from torch.fx import GraphModule, Node
 
-from quantkit._graph import is_observer_node
+from quantkit._graph import CHOOSE_QPARAMS_OPS, DEQUANTIZE_OPS, QUANTIZE_OPS, get_attr, is_observer_node
 from quantkit.observers import DerivedObserver
 from quantkit.quantizers import W8A8Quantizer
 
 from ._calibrate import calibrate
 from ._capture import capture
 from ._convert import convert, convert_in_place
-from ._layers import KeepFloat, Layer, find_layers
+from ._inputs import call_model
+from ._layers import _MOVES, KeepFloat, Layer, find_layers
 from ._prepare import prepare
 
 __all__ = ["Variants"]
@@ -57,6 +67,68 @@ def _observer_groups(prepared: GraphModule) -> dict[tuple, tuple[torch.nn.Module
     return groups
 
 
+def _float_weights(prepared: GraphModule, layers: list[Layer]) -> dict[str, dict[int, torch.Tensor] | None]:
+    """Layer name -> {argument index: the float tensor its weight observer watches} (the value a
+    KeepFloat build leaves in place of the int8 weight); None where a quantized argument other than
+    the activation is not ``observer(get_attr)`` (then that layer's variants are built for real)."""
+    modules = dict(prepared.named_modules(remove_duplicate=False))
+    nodes = {n.name: n for n in prepared.graph.nodes}
+    out: dict[str, dict[int, torch.Tensor] | None] = {}
+    for layer in layers:
+        node, weights = nodes.get(layer.name), {}
+        if node is None:
+            out[layer.name] = None
+            continue
+        for i, arg in enumerate(node.args):
+            if not (isinstance(arg, Node) and is_observer_node(arg, modules)):
+                continue
+            src = arg.args[0]
+            if src.op == "get_attr":
+                weights[i] = get_attr(prepared, src.target)
+            elif _constant(src):
+                weights = None  # a computed constant (a transposed weight): not a plain attribute
+                break
+        out[layer.name] = weights
+    return out
+
+
+def _constant(node: Node) -> bool:
+    """Whether ``node`` is computed from attributes alone (no graph input reaches it)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            return False
+        todo.extend(a for a in n.all_input_nodes)
+    return True
+
+
+def _terminals(dq: Node, out: set) -> bool:
+    """Add to ``out`` every (layer node, argument index) that the dequantize ``dq`` feeds through
+    view-like ops and further quantize/dequantize pairs; False when it also feeds anything else."""
+    todo = [(dq, u) for u in dq.users]
+    while todo:
+        src, user = todo.pop()
+        if user.op != "call_function":
+            return False
+        if user.target in _MOVES and user.args and user.args[0] is src:
+            todo.extend((user, u) for u in user.users)
+        elif user.target in QUANTIZE_OPS and user.args[0] is src:
+            for d in user.users:
+                if d.op != "call_function" or d.target not in DEQUANTIZE_OPS:
+                    return False
+                todo.extend((d, u) for u in d.users)
+        else:
+            idx = [i for i, a in enumerate(user.args) if a is src]
+            if not idx or any(user.kwargs.get(k) is src for k in user.kwargs):
+                return False
+            out.update((user, i) for i in idx)
+    return True
+
+
 class Variants:
     """A model calibrated once, from which variants with float layers are built.
 
@@ -86,6 +158,12 @@ class Variants:
         if not self.layers:
             raise ValueError("the quantizer quantizes no linear, conv, matmul or add op in this model; nothing to analyse")
         self.rebuilt = 0  # variants that needed a fresh calibration (for tests and reports)
+        # the scoring shortcut (see the module docstring): None until its first variant is checked
+        # against a real build, then whether it was bit-equal
+        dynamic = any(n.op == "call_function" and n.target in CHOOSE_QPARAMS_OPS for n in self.quantized.graph.nodes)
+        self._weights = {} if dynamic else _float_weights(prepared, self.layers)
+        self.cheap: bool | None = False if dynamic else None
+        self.built = 0  # real builds (prepare + convert) done, for tests and reports
 
     def quantizer_for(self, keep_float: Iterable[str]):
         names = frozenset(keep_float)
@@ -96,6 +174,7 @@ class Variants:
         names = frozenset(keep_float)
         if not names:
             return copy.deepcopy(self.quantized)
+        self.built += 1
         prepared = prepare(self.float_graph, KeepFloat(self.quantizer, names))
         modules = dict(prepared.named_modules(remove_duplicate=False))
         if not any(is_observer_node(n, modules) for n in prepared.graph.nodes):
@@ -107,6 +186,58 @@ class Variants:
             self.rebuilt += 1
             calibrate(prepared, self.calib_data, progress=False, distributed=False)  # every rank has all the data
         return convert_in_place(prepared)  # our own prepared model: no copy needed
+
+    def variant(self, keep_float: Iterable[str]) -> GraphModule:
+        """A model computing what ``build(keep_float)`` computes, for scoring only: the converted
+        graph rewired (no prepare, no convert) where that is known to be exact, else ``build``.
+        It shares tensors with this object's converted model (do not modify them); its
+        ``meta`` does not describe its own qparams: build the artifact with :meth:`build`."""
+        names = frozenset(keep_float)
+        if not names:
+            return self.quantized
+        if self.cheap is False or any(self._weights.get(n) is None for n in names):
+            return self.build(names)
+        cheap = self._rewire(names)
+        if cheap is None:
+            return self.build(names)
+        if self.cheap is None:  # the first one is checked against the real build, bit for bit
+            real = self.build(names)
+            self.cheap = _same(cheap, real, next(iter(self.calib_data)))
+            return cheap if self.cheap else real
+        return cheap
+
+    def _rewire(self, names: frozenset) -> GraphModule | None:
+        graph = torch.fx.Graph()
+        env: dict[Node, Node] = {}
+        out = graph.graph_copy(self.quantized.graph, env)
+        graph.output(out)
+        new = {old.name: n for old, n in env.items()}
+        weights: dict[str, torch.Tensor] = {}
+        for name in sorted(names):
+            node = new[name]
+            for i, w in self._weights[name].items():
+                dq = node.args[i]
+                if not (isinstance(dq, Node) and dq.op == "call_function" and dq.target in DEQUANTIZE_OPS):
+                    return None
+                attr = f"_qk_variant_float_{len(weights)}"
+                weights[attr] = w
+                with graph.inserting_before(dq):
+                    node.update_arg(i, graph.get_attr(attr))
+        for dq in [n for n in graph.nodes if n.op == "call_function" and n.target in DEQUANTIZE_OPS]:
+            q = dq.args[0]
+            if not (isinstance(q, Node) and q.op == "call_function" and q.target in QUANTIZE_OPS) or not dq.users:
+                continue
+            served: set = set()
+            if _terminals(dq, served) and served and all(layer.name in names for layer, _ in served):
+                dq.replace_all_uses_with(q.args[0])
+        _drop_dead(graph)
+        # a dict root: the new module holds the converted model's own tensors and submodules, no copies
+        root = {str(n.target): weights[n.target] if n.target in weights else get_attr(self.quantized, n.target)
+                for n in graph.nodes if n.op in ("get_attr", "call_module")}
+        gm = GraphModule(root, graph)
+        gm.meta.update(self.quantized.meta)
+        gm.meta["quantkit_variant_of"] = sorted(names)
+        return gm
 
     def _copy_observers(self, prepared: GraphModule) -> bool:
         groups = _observer_groups(prepared)
@@ -120,3 +251,27 @@ class Variants:
             for name in names:
                 setattr(prepared, name, new)
         return True
+
+
+def _drop_dead(graph: torch.fx.Graph) -> None:
+    """Erase what the rewiring left unused: quantize/dequantize, view-like ops and attributes."""
+    dead_ops = QUANTIZE_OPS | DEQUANTIZE_OPS | _MOVES
+    for node in reversed(list(graph.nodes)):
+        if not node.users and (node.op == "get_attr" or (node.op == "call_function" and node.target in dead_ops)):
+            graph.erase_node(node)
+
+
+def _ops(gm: GraphModule) -> list:
+    return sorted(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def _same(a: GraphModule, b: GraphModule, batch) -> bool:
+    """Whether two models run the same ops (as multisets) and give bit-equal outputs on ``batch``."""
+    if _ops(a) != _ops(b):
+        return False
+    with torch.no_grad():
+        xa, xb = call_model(a, batch), call_model(b, batch)
+    la, lb = torch.utils._pytree.tree_leaves(xa), torch.utils._pytree.tree_leaves(xb)
+    return len(la) == len(lb) and all(
+        (torch.equal(u, v) if isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor) else u == v)
+        for u, v in zip(la, lb))
