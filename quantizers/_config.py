@@ -11,10 +11,15 @@ from quantkit.observers import get as get_observer
 
 from ._scheme import SchemeConfig, register_scheme
 
-__all__ = ["ActivationScheme", "Granularity", "QuantConfig", "QUANTIZABLE_OPS", "parse_choice"]
+__all__ = ["ActivationScheme", "Granularity", "QuantConfig", "QUANTIZABLE_OPS", "W8A8_OPT_IN_OPS", "parse_choice"]
 
 # op families W8A8Quantizer knows; "add" (residual adds) is off by default
 QUANTIZABLE_OPS = frozenset({"linear", "conv", "matmul", "add"})
+# op families only W8A8Quantizer knows, never in a default: "attention" quantizes the q, k and v
+# inputs of scaled_dot_product_attention (static per tensor), which quantkit.lowering._qsdpa
+# lowers to an int8 Q.K^T kernel. Kept out of QUANTIZABLE_OPS so that FP8Config and the CLI's
+# --ops (which read that set) do not accept a family they would silently ignore.
+W8A8_OPT_IN_OPS = frozenset({"attention"})
 
 
 def parse_choice(enum_cls, value, what: str, *, shown=None):
@@ -88,7 +93,8 @@ class QuantConfig(SchemeConfig):
             int8 only): each token gets its own scale, which keeps outlier tokens
             (e.g. a transformer's [CLS]/[SEP]) from costing every other token precision.
         ops: op families to quantize: any of ``"linear"``, ``"conv"``, ``"matmul"``
-            (matmul/bmm, e.g. attention) and ``"add"`` (residual adds).
+            (matmul/bmm, e.g. attention) and ``"add"`` (residual adds); opt-in, never a default:
+            ``"attention"`` (the q, k, v inputs of ``scaled_dot_product_attention``, per tensor).
         weight_bits, activation_bits: integer widths from 2 to 8 (default 8), stored in
             int8/uint8 with a reduced ``quant_min``/``quant_max`` (e.g. weights at 4 bits:
             -8..7; affine uint8 activations at 4 bits: 0..15; affine-uint7 keeps one bit less).
@@ -140,9 +146,13 @@ class QuantConfig(SchemeConfig):
                     f"per-token activations are symmetric int8; got activation={act.value!r}, use 'symmetric-int8'"
                 )
         ops = frozenset([self.ops] if isinstance(self.ops, str) else self.ops)
-        unknown = ops - QUANTIZABLE_OPS
+        unknown = ops - QUANTIZABLE_OPS - W8A8_OPT_IN_OPS
         if unknown:
-            raise ValueError(f"unknown op families {sorted(unknown)}; choose from {sorted(QUANTIZABLE_OPS)}")
+            raise ValueError(f"unknown op families {sorted(unknown)}; "
+                             f"choose from {sorted(QUANTIZABLE_OPS | W8A8_OPT_IN_OPS)}")
+        if "attention" in ops and granularity is Granularity.PER_TOKEN:
+            raise ValueError("'attention' quantizes q, k and v per tensor; per-token granularity applies to "
+                             "linear inputs only: drop 'attention' from ops or use granularity='per-tensor'")
         object.__setattr__(self, "ops", ops)
         for name in ("weight_bits", "activation_bits"):
             bits = getattr(self, name)

@@ -36,6 +36,7 @@ _MATMUL = {aten.matmul.default, aten.bmm.default, aten.mm.default}
 # addmm(bias, x, w[K, N]): HF's Conv1D (GPT-2) is a linear with its weight stored transposed
 _ADDMM = {aten.addmm.default}
 _ADD = {aten.add.Tensor}
+_SDPA = {aten.scaled_dot_product_attention.default}
 # ops that move values without changing them: quantization passes through them
 _PASSTHROUGH = {
     aten.view.default, aten.reshape.default, aten._unsafe_view.default,
@@ -179,6 +180,8 @@ class W8A8Quantizer(Quantizer):
                     self._annotate_inputs(node, config, node.args[:2])
             elif target in _ADD and "add" in config.ops:
                 self._annotate_inputs(node, config, node.args[:2])
+            elif target in _SDPA and "attention" in config.ops:
+                self._annotate_sdpa(node, config)
         self._propagate(model)
         return model
 
@@ -209,6 +212,16 @@ class W8A8Quantizer(Quantizer):
         if node.target in _MATMUL:
             qmap[inputs[0]] = self.act_spec(config, per_token_ok=True)
         node.meta[ANNOTATION_KEY] = QuantizationAnnotation(input_qspec_map=qmap, _annotated=True)
+
+    def _annotate_sdpa(self, node: Node, config: QuantConfig) -> None:
+        """``scaled_dot_product_attention(q, k, v, ...)``: q, k and v as per-tensor activations
+        (static or dynamic). The mask stays as it is and the softmax runs in float inside the op;
+        its output is quantized by whatever consumes it (the output projection's input)."""
+        qkv = node.args[:3]
+        if len(qkv) < 3 or not all(_is_float_tensor(a) for a in qkv) or len(set(qkv)) < 3:
+            return  # one tensor used as two of q/k/v would need one spec for both: left float
+        node.meta[ANNOTATION_KEY] = QuantizationAnnotation(
+            input_qspec_map={a: self.act_spec(config) for a in qkv}, _annotated=True)
 
     def _propagate(self, model: GraphModule) -> None:
         """Move activation quantization above shape ops and max pools whose every
