@@ -27,7 +27,8 @@ from quantkit._qmath import sqnr
 from quantkit.lowering import Target, _bf16, lower
 from quantkit.lowering._registry import LoweringContext, run_lowerings
 from quantkit.pipeline._float_fallback import (FLOAT_WEIGHTS_META_KEY, bf16_weight_source, drop_stray_qdq,
-                                               finish_float_layers, float_gemms, store_float_layers_bf16)
+                                               finish_float_layers, finish_recorded_float_layers, float_gemms,
+                                               store_float_layers_bf16)
 from quantkit.pipeline._layers import KeepFloat, source_dequantize
 from quantkit.pipeline._variants import Variants
 from quantkit.quantizers import QuantConfig, W8A8Quantizer
@@ -272,3 +273,45 @@ def test_artifact_round_trip_keeps_bf16_and_the_size_drop(tmp_path):
     # the reloaded graph still shows the cast the bf16 lowering reads the weight through
     assert len([n for n in loaded.graph.nodes if bf16_weight_source(n) is not None]) == 1
     assert _bf16.float_layers_to_bf16(copy.deepcopy(loaded)) == {"float_layers_bf16": 1}
+
+
+def test_keep_float_bf16_record_reaches_the_converted_model():
+    """KeepFloat(float_weights="bf16") leaves a record convert carries over; applying it gives the
+    same graph as finishing the float layers by hand. A bad value is one ValueError line."""
+    model, x = make_mlp()
+    calib = [(b,) for b in x.split(64)]
+    with pytest.raises(ValueError, match=r"unknown float_weights 'fp16'; use one of \['fp32', 'bf16'\]"):
+        KeepFloat(W8A8Quantizer(), ["linear_1"], float_weights="fp16")
+    q = KeepFloat(W8A8Quantizer(), ["linear_1"], float_weights="bf16")
+    assert "float_weights='bf16'" in repr(q)
+    p = quantkit.prepare(quantkit.capture(model, (x[:8],)), q)
+    quantkit.calibrate(p, calib, progress=False)
+    gm = quantkit.convert(p)
+    by_hand = copy.deepcopy(gm)
+    assert finish_recorded_float_layers(gm) == {"stray_qdq_inputs": 0, "bf16_weights": 1}
+    assert finish_float_layers(by_hand, ["linear_1"])["bf16_weights"] == 1
+    assert get_attr(gm, "fc2.weight").dtype == torch.bfloat16
+    with torch.no_grad():
+        assert torch.equal(gm(x), by_hand(x))
+    # without the option nothing is recorded and nothing changes
+    p = quantkit.prepare(quantkit.capture(model, (x[:8],)), KeepFloat(W8A8Quantizer(), ["linear_1"]))
+    quantkit.calibrate(p, calib, progress=False)
+    plain = quantkit.convert(p)
+    assert finish_recorded_float_layers(plain) == {} and get_attr(plain, "fc2.weight").dtype == torch.float32
+
+
+def test_an_unfolded_weight_qdq_is_not_a_stray_pair():
+    """Where convert did not fold the weights (fold_quantize=False) a weight reads ``dq(q(w))``; a GEMM
+    with a float activation and such a weight (a weight-only layer) keeps its weight quantized."""
+    model, x = make_mlp()
+    p = quantkit.prepare(quantkit.capture(model, (x[:8],)), W8A8Quantizer())
+    quantkit.calibrate(p, [(x[:64],)], progress=False)
+    gm = quantkit.convert(p, fold_quantize=False)
+    layer = next(n for n in gm.graph.nodes if n.name == "linear_1")
+    act_dq = layer.args[0]
+    layer.replace_input_with(act_dq, act_dq.args[0].args[0])  # a float activation, by hand
+    weight_q = layer.args[1].args[0]
+    assert weight_q.target in QUANTIZE_OPS and weight_q.args[0].op == "get_attr"
+    assert [n.name for n in float_gemms(gm)] == ["linear_1"]
+    assert drop_stray_qdq(gm) == 0
+    assert layer.args[1].args[0] is weight_q  # still dq(q(w))

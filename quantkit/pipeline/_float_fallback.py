@@ -27,10 +27,10 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .._graph import DEQUANTIZE_OPS, QUANTIZE_OPS, get_attr, set_attr
-from ._layers import _FAMILIES, _MOVES, source_dequantize
+from ._layers import _FAMILIES, _MOVES, KEEP_FLOAT_META_KEY, source_dequantize
 
 __all__ = ["FLOAT_WEIGHTS_META_KEY", "float_gemms", "drop_stray_qdq", "store_float_layers_bf16",
-           "finish_float_layers", "bf16_weight_source"]
+           "finish_float_layers", "finish_recorded_float_layers", "bf16_weight_source"]
 
 aten = torch.ops.aten
 # gm.meta key: the names of the layers whose weights store_float_layers_bf16 stored in bf16
@@ -55,11 +55,20 @@ def float_gemms(gm: GraphModule) -> list[Node]:
             and not all(source_dequantize(a) is not None for a in _operands(n))]
 
 
+def _from_attr(node) -> bool:
+    """Whether ``node`` is an attribute, seen through view-like ops (a weight, not an activation)."""
+    while isinstance(node, Node) and node.op == "call_function" and node.target in _MOVES:
+        node = node.args[0]
+    return isinstance(node, Node) and node.op == "get_attr"
+
+
 def _is_activation_dq(node) -> bool:
-    """``dequantize(quantize(x, ...))``: a rounded activation (a weight's dequantize reads an int8 attribute)."""
+    """``dequantize(quantize(x, ...))`` of an activation ``x``: a rounded activation. A weight's
+    dequantize reads an int8 attribute, or ``quantize(w)`` of the float weight where convert did not
+    fold it (``fold_quantize=False``): a weight-only layer's weight must stay quantized."""
     return (isinstance(node, Node) and node.op == "call_function" and node.target in DEQUANTIZE_OPS
             and isinstance(node.args[0], Node) and node.args[0].op == "call_function"
-            and node.args[0].target in QUANTIZE_OPS)
+            and node.args[0].target in QUANTIZE_OPS and not _from_attr(node.args[0].args[0]))
 
 
 def drop_stray_qdq(gm: GraphModule) -> int:
@@ -207,3 +216,14 @@ def finish_float_layers(gm: GraphModule, names=None) -> dict[str, int]:
         ``{"stray_qdq_inputs": ..., "bf16_weights": ...}``.
     """
     return {"stray_qdq_inputs": drop_stray_qdq(gm), "bf16_weights": store_float_layers_bf16(gm, names)}
+
+
+def finish_recorded_float_layers(converted: GraphModule) -> dict[str, int]:
+    """:func:`finish_float_layers` for the layers a ``KeepFloat(..., float_weights="bf16")`` marked
+    (in their node meta) in the graph it prepared (``{}`` and nothing done when there is no such record); in place.
+
+    For ``convert`` to call on its result, so that ``quantkit.quantize(model, ..., keep_float_quantizer)``
+    rebuilds the fallback's artifact with its bf16 weights.
+    """
+    names = [n.name for n in converted.graph.nodes if n.meta.get(KEEP_FLOAT_META_KEY) == "bf16"]
+    return finish_float_layers(converted, names) if names else {}

@@ -21,7 +21,8 @@ from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (X86Induc
 from .._graph import ANNOTATION_KEY, DEQUANTIZE_OPS, QUANTIZE_OPS, module_scopes
 from ._inputs import call_model
 
-__all__ = ["Layer", "find_layers", "KeepFloat", "gemm_flops", "int8_fraction", "DEQUANTIZE_OPS", "QUANTIZE_OPS"]
+__all__ = ["Layer", "find_layers", "KeepFloat", "FLOAT_WEIGHT_DTYPES", "KEEP_FLOAT_META_KEY", "gemm_flops",
+           "int8_fraction", "DEQUANTIZE_OPS", "QUANTIZE_OPS"]
 
 aten = torch.ops.aten
 
@@ -107,6 +108,13 @@ def _float_annotation(quantizer: Quantizer) -> QuantizationAnnotation:
     return QuantizationAnnotation(_annotated=True)
 
 
+# what the float layers' weights are stored in; "bf16" is applied after convert (pipeline/_float_fallback)
+FLOAT_WEIGHT_DTYPES = ("fp32", "bf16")
+# node meta KeepFloat(float_weights="bf16") leaves on each kept layer ("bf16"; node meta survives
+# prepare and convert, which rewrite the same graph), read by finish_recorded_float_layers
+KEEP_FLOAT_META_KEY = "quantkit_keep_float"
+
+
 class KeepFloat(Quantizer):
     """Wrap a quantizer so that the ops named in ``node_names`` stay float.
 
@@ -114,14 +122,25 @@ class KeepFloat(Quantizer):
     quantizer runs; PT2E quantizers, quantkit's and torchao's, skip annotated nodes,
     and shape ops that feed only float ops are then left float too.
 
+    Args:
+        quantizer: the quantizer for everything else.
+        node_names: the layers (graph node names, as :func:`find_layers` gives them) to keep float.
+        float_weights: ``"fp32"`` (default) leaves their weights as they are; ``"bf16"`` records on
+            the graph that they are to be stored in bf16, which
+            ``pipeline._float_fallback.finish_recorded_float_layers`` applies to the converted model
+            (half the bytes; see that module for the numerics).
+
     Example:
-        >>> q = KeepFloat(W8A8Quantizer(), ["linear_3"])
+        >>> q = KeepFloat(W8A8Quantizer(), ["linear_3"], float_weights="bf16")
     """
 
-    def __init__(self, quantizer: Quantizer, node_names: Iterable[str]) -> None:
+    def __init__(self, quantizer: Quantizer, node_names: Iterable[str], *, float_weights: str = "fp32") -> None:
         super().__init__()
+        if float_weights not in FLOAT_WEIGHT_DTYPES:
+            raise ValueError(f"unknown float_weights {float_weights!r}; use one of {list(FLOAT_WEIGHT_DTYPES)}")
         self.quantizer = quantizer
         self.node_names = frozenset(node_names)
+        self.float_weights = float_weights
 
     def transform_for_annotation(self, model: GraphModule) -> GraphModule:
         return self.quantizer.transform_for_annotation(model)
@@ -130,6 +149,8 @@ class KeepFloat(Quantizer):
         for node in model.graph.nodes:
             if node.name in self.node_names and ANNOTATION_KEY not in node.meta:
                 node.meta[ANNOTATION_KEY] = _float_annotation(self.quantizer)
+                if self.float_weights != "fp32":
+                    node.meta[KEEP_FLOAT_META_KEY] = self.float_weights
         self.quantizer.annotate(model)
         return model
 
@@ -140,7 +161,8 @@ class KeepFloat(Quantizer):
         self.quantizer.prepare_obs_or_fq_callback(model, edge_or_node_to_obs_or_fq)
 
     def __repr__(self) -> str:
-        return f"KeepFloat({self.quantizer!r}, {sorted(self.node_names)})"
+        weights = f", float_weights={self.float_weights!r}" if self.float_weights != "fp32" else ""
+        return f"KeepFloat({self.quantizer!r}, {sorted(self.node_names)}{weights})"
 
 
 class _ShapeTap(torch.nn.Module):
