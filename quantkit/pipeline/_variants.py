@@ -211,6 +211,7 @@ class Variants:
         env: dict[Node, Node] = {}
         out = graph.graph_copy(self.quantized.graph, env)
         graph.output(out)
+        graph._codegen = copy.deepcopy(self.quantized.graph._codegen)  # inputs/outputs as pytrees, as captured
         new = {old.name: n for old, n in env.items()}
         weights: dict[str, torch.Tensor] = {}
         for name in sorted(names):

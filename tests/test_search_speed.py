@@ -1,0 +1,96 @@
+"""The fallback search without a prepare + convert per variant (issue 28, item 4).
+
+``Variants.variant(keep)`` rewires the one converted graph (kept-float layers read their float
+weights, the quantize/dequantize pairs that served only them are bypassed): it must compute
+exactly what the real ``KeepFloat`` build computes (bit for bit, the same ops), for several
+keep sets on small models, and the searches must use it (real builds counted).
+"""
+
+import pytest
+import torch
+
+import quantkit
+from quantkit.accuracy import _autotune as at
+from quantkit.accuracy._metrics import Evaluator
+from quantkit.pipeline._layers import KeepFloat, find_layers
+from quantkit.pipeline._variants import Variants
+from quantkit.quantizers import QuantConfig, W8A8Quantizer
+from tests.models import make_cnn, make_transformer
+
+QD = torch.ops.quantized_decomposed
+
+
+def _ops(gm):
+    return sorted(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def _keep_sets(names):
+    return [[n] for n in names] + [names[:2], names[1:4], names[::2], names[-2:]]
+
+
+@pytest.mark.parametrize("make", [make_transformer, make_cnn])
+def test_variants_are_bit_equal_to_the_keep_float_build(make):
+    model, x = make()
+    calib = [x[:16], x[16:32]]
+    variants = Variants(model, (x[:8],), calib, None)
+    names = [layer.name for layer in variants.layers]
+    assert len(names) >= 5
+    for keep in _keep_sets(names):
+        cheap = variants._rewire(frozenset(keep))
+        # an independent real build: prepare with KeepFloat, calibrate on the same data, convert
+        real = quantkit.quantize(model, (x[:8],), calib, KeepFloat(W8A8Quantizer(), keep), progress=False)
+        assert _ops(cheap) == _ops(real), keep
+        with torch.no_grad():
+            assert torch.equal(cheap(x), real(x)), keep
+        # the kept layers read no dequantized input, the others still do
+        assert {layer.name for layer in find_layers(cheap)} == set(names) - set(keep)
+    # the shortcut checks its first variant against a real build, then builds nothing more
+    before = variants.built
+    for keep in _keep_sets(names):
+        variants.variant(keep)
+    assert variants.cheap is True and variants.built == before + 1
+
+
+def test_a_variant_that_is_not_exact_falls_back_to_the_real_build(monkeypatch):
+    model, x = make_transformer()
+    variants = Variants(model, (x[:8],), [x[:16]], None)
+    # a broken rewiring (every q/dq left in place): the first check catches it, every later
+    # variant is built the real way
+    monkeypatch.setattr(Variants, "_rewire", lambda self, names: self.quantized)
+    first = variants.variant(["linear_1"])
+    assert variants.cheap is False and variants.built == 1
+    second = variants.variant(["linear_2"])
+    assert variants.built == 2
+    with torch.no_grad():
+        for keep, got in ((["linear_1"], first), (["linear_2"], second)):
+            real = quantkit.quantize(model, (x[:8],), [x[:16]], KeepFloat(W8A8Quantizer(), keep), progress=False)
+            assert torch.equal(got(x), real(x))
+
+
+def test_dynamic_graphs_take_the_real_build():
+    model, x = make_transformer()
+    variants = Variants(model, (x[:8],), [x[:16]], W8A8Quantizer(QuantConfig(dynamic=True, granularity="per-token")))
+    assert variants.cheap is False
+    got = variants.variant(["linear"])
+    assert variants.built == 1 and _count(got, QD.choose_qparams_per_token.default) < _count(
+        variants.quantized, QD.choose_qparams_per_token.default)
+
+
+def _count(gm, op):
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is op)
+
+
+def test_fallback_search_builds_two_models_only():
+    model, x = make_transformer()
+    calib, held = [x[:16]], [x[16:]]
+    variants = Variants(model, (x[:8],), calib, None)
+    evaluator = Evaluator(model, held, "cosine")
+    # a budget the all-int8 model misses: the ranking (one variant per layer), prefix and prune run
+    budget = (evaluator.reference - evaluator.score(variants.quantized)) / 3
+    q, keep, score = at.fallback_search(variants, evaluator, budget)
+    assert keep and variants.built == 2  # the shortcut's one check, and the returned model
+    assert not set(keep) & {layer.name for layer in find_layers(q)}
+    real = quantkit.quantize(model, (x[:8],), calib, KeepFloat(W8A8Quantizer(), keep), progress=False)
+    with torch.no_grad():
+        assert torch.equal(q(x), real(x))
+    assert score == evaluator.score(real) and evaluator.reference - score <= budget
