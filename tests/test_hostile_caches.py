@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import quantkit
-from quantkit.accuracy import _latency
+from quantkit.accuracy import _costmodel, _latency
 from quantkit.kernels import _int4_cpu, _kernel_cache
 from quantkit.lowering._weight_only import KERNELS_META_KEY, kernel_choices, lower_weight_only
 from quantkit.quantizers import WeightOnlyQuantizer
@@ -333,16 +333,18 @@ class _Tiny(torch.nn.Module):
 
 @pytest.fixture
 def meter_env(tmp_path, monkeypatch):
-    """A private latency cache and a stand-in timer: 7.0 ms per measurement, counted."""
+    """A private latency cache and stand-in timers: 7.0 ms per measurement (compiled model or raw
+    kernel of the cost model), counted."""
     monkeypatch.setenv("QUANTKIT_CACHE_DIR", str(tmp_path / "qkcache"))
     calls = []
     monkeypatch.setattr(_latency, "_time", lambda fn, inputs, dtype=None: calls.append(1) or 7.0)
+    monkeypatch.setattr(_costmodel, "time_kernel", lambda fn, threads: calls.append(1) or 7.0)
     gm = torch.fx.symbolic_trace(_Tiny())
     return gm, calls, tmp_path / "qkcache" / "latency.json"
 
 
 def _fp32(gm) -> tuple[float, _latency.Meter]:
-    meter = _latency.Meter(gm, (torch.randn(2, 3),))
+    meter = _latency.Meter(gm, (torch.randn(2, 3),), measure=True)
     return meter.floats(gm, bf16=False)["fp32_ms"], meter
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..export import _artifact
+from ..lowering._bf16 import bf16_supported
 from ..lowering._weight_only import kernel_choices
 from . import _data as datasets, _inputs as inputs, _report as report
 from ._markdown import render_table
@@ -264,6 +265,47 @@ class _FrozenFloat(torch.nn.Module):
             return self.compiled(*args, **kwargs)
 
 
+class _FrozenBf16(_FrozenFloat):
+    """The float model cast to bf16, compiled as :class:`_FrozenFloat`; float inputs are cast too.
+    Timed only (it is what ``model.to(torch.bfloat16)`` plus ``torch.compile`` gives a user)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        import copy
+
+        super().__init__(copy.deepcopy(model).to(torch.bfloat16))
+
+    def forward(self, *args, **kwargs):
+        def cast(v):
+            return v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+
+        return super().forward(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})
+
+
+BF16_NAME = "float bf16 (compiled)"
+NO_BF16 = ("no bf16 comparison: this CPU has no native BF16 (AVX-512 BF16 or AMX), so bf16 would be emulated "
+           "(~100x slower than fp32), no fair baseline")
+
+
+def _compiled_bf16(float_model, batches: list):
+    """(the float model compiled in bf16, None), or (None, why not): only where the CPU has native BF16."""
+    import io
+    import contextlib
+
+    from ..pipeline._inputs import call_model
+
+    if not bf16_supported():
+        return None, NO_BF16
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), torch.no_grad():
+            fast = _FrozenBf16(float_model)
+            for b in batches[:1]:
+                call_model(fast, b)
+        return fast, None
+    except Exception as exc:  # report, don't fail: the fp32 comparison stands
+        text = " ".join(str(exc).split())
+        return None, f"no bf16 comparison: compiling the float model in bf16 failed ({text[:150] or type(exc).__name__})"
+
+
 def _compiled(float_model, qmodel, batches: list):
     """(compiled float, compiled int8, None), or (None, None, why) when compilation fails."""
     import io
@@ -333,7 +375,7 @@ def run_eval(args, say, warn) -> int:
     where_of = [origins[i:i + batch_size] for i in range(0, len(origins), batch_size)]
     qmodel = _load_int8(path, device, allow_unverified=args.allow_unverified)
 
-    note = None
+    note = bf16_note = None
     timed = {"float (eager)": loaded.model, "int8 (q/dq reference)": qmodel}
     if args.compile:
         # one static shape: each model compiles once (dynamic shapes compile to slow CPU kernels)
@@ -342,15 +384,26 @@ def run_eval(args, say, warn) -> int:
         if fast_int8 is not None:
             timed = {"float (compiled)": fast_float, "int8 (compiled)": fast_int8}
             batches = static
+            if device.type == "cpu":  # the baseline a CPU user has without quantkit, where it is native
+                fast_bf16, bf16_note = _compiled_bf16(loaded.model, static)
+                if fast_bf16 is not None:
+                    timed[BF16_NAME] = fast_bf16
     int8_name = list(timed)[1]
     _, scores = report.compare_models(loaded.model, {int8_name: timed[int8_name]}, batches, origins=where_of,
                                       progress=progress, desc="eval")
     metric = scores[int8_name]
-    timing = report.time_interleaved(timed, batches)
+    timing = report.time_interleaved(timed, batches)  # bf16 interleaved with the other two
     speedup = timing[int8_name].pop("speedup")
+    bf16 = timing.pop(BF16_NAME, None)
     result = {"data": where, "samples_nonfinite_skipped": len(bad), "device": str(device),
               "compiled": args.compile and note is None, "metric": metric, "latency": timing,
               "speedup": round(speedup, 3)}
+    if bf16 is not None:
+        bf16.pop("speedup")
+        bf16["int8_speedup"] = round(bf16["median_ms_per_batch"] / timing[int8_name]["median_ms_per_batch"], 3)
+        result["bf16"] = bf16
+    elif bf16_note:
+        result["bf16"] = {"note": bf16_note}
     if note:
         result["note"] = note
     # which kernel each int4 layer got, and why not ours (a refused or unbuildable kernel is said, never silent)
@@ -374,6 +427,11 @@ def run_eval(args, say, warn) -> int:
     say(render_table([{"model": k, **v} for k, v in timing.items()],
                             ["model", "median_ms_per_batch", "samples_per_s", "batches"]), block=True)
     say(f"int8 speedup over float: {speedup:.2f}x")
+    if bf16 is not None:
+        say(f"float compiled in bf16: {bf16['median_ms_per_batch']:.3f} ms per batch; int8 speedup over it: "
+            f"{bf16['int8_speedup']:.2f}x" + (" (slower than bf16)" if bf16["int8_speedup"] < 1 else ""))
+    elif bf16_note:
+        say(bf16_note)
     for line in kernels:
         say(line)
     if note:

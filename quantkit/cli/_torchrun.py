@@ -44,7 +44,7 @@ import torch
 from quantkit.observers._collective import EXCHANGED, PEER_LOST, clean, key, store, timeout_hint
 
 from .._errors import DistributedError
-from ..pipeline._distributed import agreement_record, report_failure
+from ..pipeline._distributed import agreement_record, mark_failed_early, report_failure
 
 from ._inputs import UsageError, is_factory_name
 
@@ -172,6 +172,7 @@ def _leave_failed(launch: _Launch, exc: Exception) -> None:
 
     if not getattr(exc, EXCHANGED, False):
         if not dist.is_initialized():  # before calibration: meet the others at their agreement
+            mark_failed_early(launch.rank)  # ranks waiting for rank 0's latencies stop waiting
             with contextlib.suppress(Exception):
                 _init(launch)
                 report_failure(exc)

@@ -20,6 +20,11 @@ failed before calibration joins this exchange with its error instead
 (:func:`report_failure`), so that every rank stops with a line of its own.
 
 ``quantkit.shard`` splits the calibration batches between ranks.
+
+Before the process group exists (the CLI creates it at calibration), a torchrun launch still has
+torchrun's own store: :func:`rank0_value` hands rank 0's value of something measured (a latency
+autotune chooses by) to every rank through it, so that a choice that depends on timings is made
+once, on rank 0, and every rank -- and one process with the same cache -- makes the same one.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import hashlib
 import itertools
 import json
 import os
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
@@ -38,13 +44,13 @@ from typing import Any, Callable
 import torch
 from torch.fx import GraphModule
 
-from quantkit.observers._collective import EXCHANGED, clean, collective, comm_device, exchange
+from quantkit.observers._collective import EXCHANGED, clean, collective, comm_device, exchange, key, store
 
 from .._errors import CalibrationError, DistributedError
 from .._graph import get_attr, is_observer_module
 
 __all__ = ["shard", "use_distributed", "calibrate_synced", "on_all_ranks", "agree", "agreement_record",
-           "report_failure"]
+           "report_failure", "launched_world", "launch_store", "rank0_value", "mark_failed_early", "RANK0_TIMEOUT_S"]
 
 AGREEMENT = "the agreement before calibration"  # the stage's name in errors
 
@@ -53,6 +59,113 @@ def _initialised() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
+
+
+# --- rank 0's measurements, before the process group exists -----------------------------------
+
+# seconds a rank waits for rank 0's value: rank 0 reaches it at about the same point (same search,
+# same data), so only a rank 0 that is stuck or gone makes this run out (QUANTKIT_DIST_TIMEOUT wins)
+RANK0_TIMEOUT_S = 600.0
+_ASKED: dict[str, int] = {}  # name -> how many times this process asked (keys are per asking)
+_AGENT: list = []  # torchrun's agent store client, made once
+
+
+def launched_world() -> int:
+    """How many processes this one was launched with (torchrun's ``WORLD_SIZE``; 1 outside a launch)."""
+    if _initialised():
+        import torch.distributed as dist
+
+        return dist.get_world_size()
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def _launched_rank() -> int:
+    if _initialised():
+        import torch.distributed as dist
+
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def _wait_s() -> float:
+    try:
+        seconds = float(os.environ.get("QUANTKIT_DIST_TIMEOUT", RANK0_TIMEOUT_S))
+    except ValueError:
+        seconds = RANK0_TIMEOUT_S
+    return seconds if 0 < seconds < float("inf") else RANK0_TIMEOUT_S
+
+
+def launch_store():
+    """The process group's store, or before there is one torchrun's agent store (it outlives every
+    rank); None outside torchrun or where neither can be reached."""
+    if _initialised():
+        return store()
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if not _AGENT:
+        import datetime
+
+        import torch.distributed as dist
+
+        try:
+            _AGENT.append(dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                        timeout=datetime.timedelta(seconds=_wait_s()), wait_for_workers=False))
+        except Exception:  # no agent store to reach
+            _AGENT.append(None)
+    return _AGENT[0]
+
+
+def mark_failed_early(rank: int) -> None:
+    """Tell the ranks waiting in :func:`rank0_value` that ``rank`` failed before calibration."""
+    s = launch_store()
+    if s is not None:
+        with contextlib.suppress(Exception):
+            s.set(key("failed-early", rank), "1")
+
+
+def rank0_value(name: str, compute: Callable[[], float]) -> float:
+    """``compute()`` on rank 0 of a launch of several processes, and rank 0's value on the others.
+
+    The ranks must ask for the same names in the same order (they run the same search on the same
+    data); the n-th request for a name on one rank gets rank 0's n-th value for it. Outside a
+    launch, or without a store to share it through, each process computes its own.
+
+    Raises:
+        DistributedError: on a rank other than 0, when rank 0 failed before sending the value or
+            sent nothing within ``QUANTKIT_DIST_TIMEOUT`` seconds.
+    """
+    world = launched_world()
+    s = launch_store() if world > 1 else None
+    if s is None:
+        return compute()
+    n = _ASKED.get(name, 0)
+    _ASKED[name] = n + 1
+    k = key("rank0", hashlib.sha256(name.encode()).hexdigest()[:32], n)
+    rank = _launched_rank()
+    if rank == 0:
+        value = float(compute())
+        s.set(k, json.dumps(value))
+        return value
+    failed = key("failed-early", 0)
+    deadline = time.monotonic() + _wait_s()
+    # polled, not waited on: a store wait that times out writes c10d warnings to stderr
+    while not s.check([k]):
+        if s.check([failed]):
+            raise DistributedError(f"rank 0 of {world} failed before calibration; see its error; every rank stops")
+        if time.monotonic() >= deadline:
+            raise DistributedError(f"rank 0 of {world} sent no latency within {_wait_s():g} s (it is stuck or "
+                                   "gone); raise QUANTKIT_DIST_TIMEOUT if it is only slow; every rank stops")
+        time.sleep(0.01)
+    value = json.loads(s.get(k).decode("utf-8"))
+    if type(value) not in (int, float):
+        raise DistributedError(f"rank 0 of {world} sent a latency that is not a number")
+    return float(value)
 
 
 def use_distributed(distributed) -> bool:
