@@ -274,12 +274,24 @@ def test_auto_declines_without_vnni_and_says_why(monkeypatch):
     assert REFERENCE_META_KEY not in fast._orig_mod.meta
 
 
-def test_forced_bf16_stays_correct():
-    c, x = _linear(bias=True, rank=3)
-    _small_weights(c)
+def test_forced_bf16_still_matches_and_stays_correct():
+    """int8-mixed-bf16: the bf16 pass casts around the chain, not inside it (its nodes carry no
+    example values), so the quantize stays float32 and Inductor's pattern still takes the GEMM."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 6, 64)
+    c = _small_weights(_converted(nn.Sequential(nn.Linear(64, 48), nn.LayerNorm(48), nn.Linear(48, 16)), x))
     fast, out, code = _compiled_code(c, x, float_dtype="bf16")
     counts = fast._orig_mod.meta[LOWERING_META_KEY]
-    assert counts["per_token_int_mm"] == 1 and counts["to_bf16"] > 0
+    assert counts["per_token_int_mm"] == 2 and counts["to_bf16"] > 0
+    gm = fast._orig_mod
+    ours = {n for n in gm.graph.nodes if _per_token.INT8_KERNEL_META_KEY in n.meta}
+    casts = [n for n in gm.graph.nodes if n.target is aten._to_copy.default and n.kwargs.get("dtype") == torch.bfloat16]
+    # no bf16 cast between two nodes of a chain (casts may feed it its input and constants, which then
+    # get bf16 rounding as the reference bf16 graph's dq(w) and bias do, and read its outputs)
+    computed = {n for n in ours if n.op == "call_function"}
+    assert casts and not any(c.args[0] in computed and any(u in ours for u in c.users) for c in casts)
+    assert all(n.kwargs.get("dtype") != torch.bfloat16 for n in ours)
+    assert code.count("= torch.ops.onednn.qlinear_pointwise") == 2 and "_int_mm" not in code
     assert out.dtype == torch.float32
     with torch.no_grad():
         ref = c(x)

@@ -27,9 +27,8 @@ activations need nothing here: their ``dequantize_per_tensor.tensor -> linear`` 
 Inductor's own qlinear patterns (the ``int8`` pass makes them uint8 first).
 
 Each weight is kept once, as the ``[K, N]`` int8 buffer ``_int_mm`` reads; the ``[N, K]``
-original is dropped. New nodes carry example values (``meta["val"]``) so that later passes (the
-int8-mixed-bf16 casts of ``_bf16.py``) see their dtypes, and ``meta[INT8_KERNEL_META_KEY]``
-names the layer they implement.
+original is dropped. Every node this pass writes has ``meta[INT8_KERNEL_META_KEY]`` (the names of
+the linears it implements); see ``_Emitter`` for how they meet the int8-mixed-bf16 pass.
 """
 
 from __future__ import annotations
@@ -73,29 +72,23 @@ def match_per_token_linear(gm: GraphModule, node: Node) -> Optional[LinearMatch]
     return m
 
 
-def _fake_like(val, shape, dtype) -> Optional[torch.Tensor]:
-    """An example value of ``shape``/``dtype`` in ``val``'s fake mode (None without one)."""
-    if not isinstance(val, torch.Tensor) or shape is None:
-        return None
-    try:
-        return val.new_empty(shape, dtype=dtype)
-    except Exception:  # a real (not fake) tensor or a stale mode: leave the node without an example
-        return None
-
-
 class _Emitter:
-    """Writes tagged nodes before ``anchor``, each with an example value shaped from ``like``."""
+    """Writes nodes before ``anchor``, each tagged with ``meta[INT8_KERNEL_META_KEY] = tag``.
 
-    def __init__(self, gm: GraphModule, anchor: Node, like, tag: str) -> None:
-        self.gm, self.anchor, self.like, self.tag = gm, anchor, like, tag
+    The nodes carry no example value (``meta["val"]``): their dtypes are fixed by the chain itself
+    (int8 -> int32 -> float32), and the int8-mixed-bf16 pass (``_bf16.py``) then leaves them as they
+    are -- it casts only the inputs whose example value says float32 and marks bf16 only nodes
+    that have one -- so the integers stay the float32 reference ones under ``float_dtype="bf16"`` too.
+    Only the float32 results that replace the linears get the linears' example values.
+    """
 
-    def __call__(self, target, args, kwargs=None, shape=None, dtype=torch.float32) -> Node:
+    def __init__(self, gm: GraphModule, anchor: Node, tag: str) -> None:
+        self.gm, self.anchor, self.tag = gm, anchor, tag
+
+    def __call__(self, target, *args, **kwargs) -> Node:
         with self.gm.graph.inserting_before(self.anchor):
-            n = self.gm.graph.call_function(target, tuple(args), kwargs or {})
+            n = self.gm.graph.call_function(target, args, kwargs)
         n.meta[INT8_KERNEL_META_KEY] = self.tag
-        val = _fake_like(self.like, shape, dtype)
-        if val is not None:
-            n.meta["val"] = val
         return n
 
     def buffer(self, base: str, value: torch.Tensor) -> Node:
@@ -107,7 +100,7 @@ class _Emitter:
         return n
 
 
-def _quantize(emit: _Emitter, x: Node, lead) -> tuple[Node, Node]:
+def _quantize(emit: _Emitter, x: Node) -> tuple[Node, Node]:
     """``choose_qparams_per_token`` + ``quantize_per_token`` of ``x`` written as aten ops: (int8, scale).
 
     The same float32 operations in the same order as torch's decomposed implementations
@@ -115,16 +108,15 @@ def _quantize(emit: _Emitter, x: Node, lead) -> tuple[Node, Node]:
     so the integers and scales are the reference ones. Why not keep the two ops: Inductor runs
     them as Python fallbacks (several eager passes over the activation), and the meta function
     of ``choose_qparams_per_token`` says float64 while the op returns float32 (torch 2.13), so a
-    fused kernel reading its scale would read float32 memory as float64.
+    fused kernel reading its scale would read float32 memory as float64. The explicit float32
+    copy first is a no-op on a float32 graph and keeps the arithmetic float32 where a later pass
+    made ``x`` bf16 (the reference quantizes ``x.float()`` there too).
     """
-    k_shape = None if lead is None else (*lead, 1)
-    full = None if lead is None else tuple(emit.like.shape)
-    amax = emit(aten.amax.default, (emit(aten.abs.default, (x,), shape=full), [-1], True), shape=k_shape)
-    scale = emit(aten.div.Tensor, (emit(aten.clamp_min.default, (amax, 1e-5), shape=k_shape), 127), shape=k_shape)
-    inv = emit(aten.reciprocal.default, (scale,), shape=k_shape)
-    q = emit(aten.round.default, (emit(aten.mul.Tensor, (x, inv), shape=full),), shape=full)
-    q = emit(aten.clamp.default, (q, -128, 127), shape=full)
-    return emit(aten._to_copy.default, (q,), {"dtype": torch.int8}, shape=full, dtype=torch.int8), scale
+    x = emit(aten._to_copy.default, x, dtype=torch.float32)
+    scale = emit(aten.div.Tensor, emit(aten.clamp_min.default,
+                                       emit(aten.amax.default, emit(aten.abs.default, x), [-1], True), 1e-5), 127)
+    q = emit(aten.round.default, emit(aten.mul.Tensor, x, emit(aten.reciprocal.default, scale)))
+    return emit(aten._to_copy.default, emit(aten.clamp.default, q, -128, 127), dtype=torch.int8), scale
 
 
 def _rewrite(gm: GraphModule, group: list[LinearMatch], old_weights: set) -> list[Node]:
@@ -132,7 +124,7 @@ def _rewrite(gm: GraphModule, group: list[LinearMatch], old_weights: set) -> lis
     linear, the node whose value replaces it (a slice of the fused output when there are several)."""
     first = group[0]
     x = first.act.q.args[0]
-    x_val = x.meta["val"]
+    rank = x.meta["val"].dim()
     weights, scales = [], []
     for m in group:
         w = get_attr(gm, m.weight.target)
@@ -147,46 +139,33 @@ def _rewrite(gm: GraphModule, group: list[LinearMatch], old_weights: set) -> lis
             old_weights.add(m.bias.target)
     k = weights[0].shape[0]
     sizes = [w.shape[1] for w in weights]
-    n_out = sum(sizes)
     anchor = min((m.linear for m in group), key=lambda n: _position(gm, n))
-    emit = _Emitter(gm, anchor, x_val, ",".join(m.linear.name for m in group))
-    rank = x_val.dim()
-    lead = tuple(x_val.shape[:-1])
-    rows = 1
-    for d in lead:
-        rows = rows * d
-    q, scale = _quantize(emit, x, lead)
+    emit = _Emitter(gm, anchor, ",".join(m.linear.name for m in group))
+    q, scale = _quantize(emit, x)
     w_node = emit.buffer("_qk_weight_kn_", torch.cat(weights, dim=1).contiguous())  # one int8 copy, [K, N]
     w_scale = emit.buffer("_qk_w_scale_", torch.cat(scales).contiguous())
-    bias = None
-    if first.bias is not None:
-        bias = emit.buffer("_qk_bias_", torch.cat([get_attr(gm, m.bias.target).to(torch.float32) for m in group])) \
-            if len(group) > 1 else first.bias
+    bias = first.bias
+    if bias is not None and len(group) > 1:
+        bias = emit.buffer("_qk_bias_", torch.cat([get_attr(gm, m.bias.target).to(torch.float32) for m in group]))
     if rank != 2:  # [..., K] -> [M, K]; leading sizes read from the input so a dynamic batch stays symbolic
-        lead_nodes = [emit(aten.sym_size.int, (q, d)) for d in range(rank - 1)]
-        for n in lead_nodes:
-            n.meta.pop("val", None)
-        q = emit(aten.reshape.default, (q, [-1, k]), shape=(rows, k), dtype=torch.int8)
-        scale = emit(aten.reshape.default, (scale, [-1, 1]), shape=(rows, 1))
-    acc = emit(aten._int_mm.default, (q, w_node), shape=(rows, n_out), dtype=torch.int32)
-    y = emit(aten._to_copy.default, (acc,), {"dtype": torch.float32}, shape=(rows, n_out))
-    y = emit(aten.mul.Tensor, (y, scale), shape=(rows, n_out))   # per token (row) ...
-    y = emit(aten.mul.Tensor, (y, w_scale), shape=(rows, n_out))  # ... then per output channel: the pattern's order
+        lead = [emit(aten.sym_size.int, q, d) for d in range(rank - 1)]
+        q = emit(aten.reshape.default, q, [-1, k])
+        scale = emit(aten.reshape.default, scale, [-1, 1])
+    y = emit(aten._to_copy.default, emit(aten._int_mm.default, q, w_node), dtype=torch.float32)
+    y = emit(aten.mul.Tensor, emit(aten.mul.Tensor, y, scale), w_scale)  # per token (row), then per channel
     if rank != 2:
-        y = emit(aten.reshape.default, (y, lead_nodes + [n_out]), shape=(*lead, n_out))
+        y = emit(aten.reshape.default, y, lead + [sum(sizes)])
     if bias is not None:
-        y = emit(aten.add.Tensor, (y, bias), shape=(*lead, n_out))
-    if len(group) == 1:
-        outs = [y]
-    else:
-        outs, start = [], 0
-        for size in sizes:
-            outs.append(emit(aten.slice.Tensor, (y, -1, start, start + size), shape=(*lead, size)))
-            start += size
+        y = emit(aten.add.Tensor, y, bias)
+    # float32 out, explicitly (a no-op here): readers cast it as they cast the linear's output
+    y = emit(aten._to_copy.default, y, dtype=torch.float32)
+    outs = [y]
+    if len(group) > 1:
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        outs = [emit(aten.slice.Tensor, y, -1, a, a + n) for a, n in zip(starts, sizes)]
     for m, out in zip(group, outs):
-        val = m.linear.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            out.meta["val"] = val
+        if isinstance(m.linear.meta.get("val"), torch.Tensor):
+            out.meta["val"] = m.linear.meta["val"]
         if len(group) > 1:
             for user in m.linear.users:  # a slice is not contiguous: a view merging its last dim would fail
                 if user.target is aten.view.default:
