@@ -45,9 +45,10 @@ def test_integer_scores_are_exact(dtype, d):
     assert got.dtype == torch.int32 and torch.equal(got.long(), want)
 
 
-def test_integer_scores_at_the_int32_edge():
-    """Every product 255 * 255 (uint8 0 against zero point 255): the int32 sum is still exact."""
-    d = 4096
+@pytest.mark.parametrize("d", [258, 259, 4096], ids=["float-sums-edge", "int32-sums", "int32-large"])
+def test_integer_scores_at_the_edges(d):
+    """Every product 255 * 255 (uint8 0 against zero point 255): up to D = 258 the kernel sums in float
+    (every partial sum an integer below 2**24, so exact), from 259 on in int32; both exact."""
     q = torch.zeros(1, 1, 2, d, dtype=torch.uint8)
     k = torch.zeros(1, 1, 3, d, dtype=torch.uint8)
     got = int8_scores_cpu(q, k, q_zp=255, k_zp=255)
