@@ -1,8 +1,9 @@
 """How far autotune's per-kernel latency estimate (quantkit/accuracy/_costmodel.py) is from compiled timings.
 
 For each model and lowering, one process: the estimate (``Meter(measure=False)``: raw kernels timed
-at their shapes, nothing compiled) next to the compiled median (``Meter(measure=True)``:
-``quantkit.compile`` / Inductor freezing), their ratio, and how long each took. Lowerings: the float
+at their shapes, nothing compiled) next to the compiled model's time (``quantkit.compile`` / Inductor
+freezing; the fastest of its calls after the compiling one, the estimator the kernel timings use),
+their ratio, and how long each took. Lowerings: the float
 model in fp32 (bf16 too where the CPU has native BF16), static W8A8 as ``quantkit.compile`` runs it
 here (oneDNN on VNNI/AMX CPUs, the reference q/dq graph elsewhere), static W8A8 with oneDNN forced, and
 per-token W8A8. Models: the tests' MLP and transformer block, and the bundled all-MiniLM-L6-v2.
@@ -16,6 +17,7 @@ run with ``--threads 1``: multi-threaded timings there wait on descheduled threa
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import platform
 import statistics
@@ -33,6 +35,7 @@ import quantkit  # noqa: E402
 from quantkit import _hf  # noqa: E402
 from quantkit.accuracy import _costmodel, _latency  # noqa: E402
 from quantkit.lowering._bf16 import bf16_supported  # noqa: E402
+from quantkit.pipeline._inputs import call_model  # noqa: E402
 from quantkit.quantizers import QuantConfig, W8A8Quantizer  # noqa: E402
 
 
@@ -55,13 +58,21 @@ def _models(names, batch: int, seq: int):
         yield f"MiniLM {batch}x{seq}", model, data[0], gm, data[:1]
 
 
-def _row(name: str, est: _latency.Meter, mea: _latency.Meter, fn) -> tuple:
+def _compiled_ms(make) -> tuple[float, float]:
+    """(fastest, median) ms of a compiled model's calls after the compiling one, and the seconds taken."""
     t = time.perf_counter()
-    e = fn(est)
+    fn = make()
+    with torch.no_grad():
+        fn()  # compiles
+    ms = _costmodel.time_call(fn, budget_s=0.5, max_calls=30)  # the estimator the kernels use: fastest call
+    return ms, time.perf_counter() - t
+
+
+def _row(name: str, estimate, make) -> tuple:
+    t = time.perf_counter()
+    e = estimate()
     te = time.perf_counter() - t
-    t = time.perf_counter()
-    m = fn(mea)
-    tm = time.perf_counter() - t
+    m, tm = _compiled_ms(make)
     print(f"  {name:<28} estimate {e:9.3f} ms ({te:5.1f} s)   compiled {m:9.3f} ms ({tm:5.1f} s)   "
           f"estimate/compiled {e / m:5.2f}", flush=True)
     return e, m
@@ -92,15 +103,20 @@ def main(argv=None) -> None:
         per_token = quantkit.quantize(gm, inputs, calib, W8A8Quantizer(QuantConfig(dynamic=True,
                                                                                  granularity="per-token")),
                                       progress=False)
-        est, mea = _latency.Meter(gm, inputs), _latency.Meter(gm, inputs, measure=True)
-        forced = (_latency.Meter(gm, inputs, cpu_kernels="onednn"),
-                  _latency.Meter(gm, inputs, measure=True, cpu_kernels="onednn"))
-        rows = [("fp32", est, mea, lambda m: m.floats(model, bf16=False)["fp32_ms"])]
+        est, forced = _latency.Meter(gm, inputs), _latency.Meter(gm, inputs, cpu_kernels="onednn")
+
+        def call(mod, dtype=None):
+            return lambda: call_model(mod, _latency._fresh(inputs, dtype))
+
+        rows = [("fp32", lambda: est.floats(bf16=False)["fp32_ms"], lambda: call(_latency._FrozenFloat(model)))]
         if bf16_supported():
-            rows.append(("bf16", est, mea, lambda m: m.floats(model)["bf16_ms"]))
-        rows += [("static W8A8 (auto)", est, mea, lambda m: m.int8(static, "static")),
-                 ("static W8A8 (oneDNN forced)", *forced, lambda m: m.int8(static, "static")),
-                 ("per-token W8A8 (auto)", est, mea, lambda m: m.int8(per_token, "per-token"))]
+            rows.append(("bf16", lambda: est.floats()["bf16_ms"],
+                         lambda: call(_latency._FrozenFloat(copy.deepcopy(model).bfloat16()), torch.bfloat16)))
+        rows += [("static W8A8 (auto)", lambda: est.int8(static, "static"), lambda: call(quantkit.compile(static))),
+                 ("static W8A8 (oneDNN forced)", lambda: forced.int8(static, "static"),
+                  lambda: call(quantkit.compile(static, cpu_kernels="onednn"))),
+                 ("per-token W8A8 (auto)", lambda: est.int8(per_token, "per-token"),
+                  lambda: call(quantkit.compile(per_token)))]
         got = [_row(*r) for r in rows]
         ratios += [e / m for e, m in got]
         # ordering: does the estimate rank the lowerings as the compiled timings do?

@@ -98,9 +98,14 @@ def test_per_token_is_int8_only_where_onednn_is_exact(block, monkeypatch):
     _vnni_bf16(monkeypatch, vnni=False, bf16=False)
     here = _costmodel.plan(q["per-token"], (x,))
     assert here.gemms()[("linear", "fp32")] == 4 and ("qlinear", "fp32") not in here.gemms()
+    # the reference per-token chain of each linear's activation is timed as it runs
+    assert here.gemms()[("pertoken_qdq", "fp32")] == 4
+    assert sorted(k.shape for k, n in here.kernels if k.op == "pertoken_qdq" for _ in range(n)) == \
+        sorted((m, k) for m, k, _ in BLOCK_LINEARS)
     _vnni_bf16(monkeypatch, vnni=True, bf16=False)
     vnni = _costmodel.plan(q["per-token"], (x,))
     assert vnni.target == "onednn" and vnni.gemms()[("qlinear", "fp32")] == 4
+    assert ("pertoken_qdq", "fp32") not in vnni.gemms()
 
 
 def test_bf16_where_native_and_large_attention_only(block, monkeypatch):
@@ -134,6 +139,23 @@ def test_sdpa_is_one_kernel_with_its_mask():
     assert set(_linears(p, "linear")) == {(24, 32, 96), (24, 32, 32)}
     # the kernel it times runs (random data of those shapes)
     assert _costmodel.kernel_runner(sdpa)().shape == (3, 2, 8, 16)
+
+
+def test_int8_attention_is_the_int8_sdpa_kernel_where_it_builds():
+    from quantkit.lowering._qsdpa import kernel_status
+
+    if not kernel_status().available:
+        pytest.skip(f"quantkit::int8_sdpa_cpu does not build here: {kernel_status().reason}")
+    x, mask = torch.randn(3, 8, 32), torch.zeros(3, 1, 8, 8)
+    gm = quantkit.capture(_Attention().eval(), (x, mask))
+    cfg = QuantConfig(ops=frozenset({"linear", "attention"}))
+    q = quantkit.quantize(gm, (x, mask), [(x, mask)], W8A8Quantizer(cfg), progress=False)
+    p = _costmodel.plan(q, (x, mask))
+    assert p.gemms()[("qsdpa", "fp32")] == 1 and ("sdpa", "fp32") not in p.gemms()
+    [k] = [k for k, _ in p.kernels if k.op == "qsdpa"]
+    assert k.shape == ((3, 2, 8, 16),) * 3 + ((3, 1, 8, 8),)
+    assert _costmodel.kernel_runner(k)().shape == (3, 2, 8, 16)
+    assert _costmodel.plan(q, (x, mask), cpu_kernels="reference").gemms()[("sdpa", "fp32")] == 1
 
 
 def test_each_kernel_is_timed_once_per_machine(block, timer):

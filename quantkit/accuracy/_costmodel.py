@@ -12,6 +12,7 @@ graph's GEMMs (linear ``M x K x N``, float matmuls, SDPA), decides how each one 
   lowering runs there only);
 - else the reference graph: a float GEMM plus the quantize/dequantize arithmetic around it (and the
   int8 weight's dequantize, each call: the reference graph is compiled without freezing);
+- ``quantkit::int8_sdpa_cpu`` for an SDPA on static int8 q, k, v (``lowering/_qsdpa.py``);
 - float GEMMs and attention in bf16 where compile runs bf16 (``resolve_float_dtype``), else fp32 --
 
 times each distinct raw kernel at its shape once (microseconds to milliseconds; cached per
@@ -39,6 +40,7 @@ from torch.fx import GraphModule, Node
 from .._graph import DEQUANTIZE_OPS, QUANTIZE_OPS
 from ..lowering._bf16 import bf16_supported, resolve_float_dtype
 from ..lowering._onednn import exact_for_graph, exact_on_this_cpu
+from ..lowering._qsdpa import SHAPE_OPS as _QSDPA_SHAPE_OPS, kernel_status as qsdpa_status
 from ..pipeline._inputs import as_args_kwargs
 
 __all__ = ["Kernel", "Plan", "plan", "estimate_ms", "cpu_support_line", "time_call", "time_kernel", "kernel_runner", "machine_runner", "node_shapes",
@@ -76,8 +78,9 @@ FUSED_FRACTION = 0.5
 @dataclass(frozen=True)
 class Kernel:
     """One raw kernel at one shape: ``op`` is ``linear`` (shape ``(M, K, N)``), ``qlinear``
-    (oneDNN int8, ``(M, K, N)``), ``matmul`` (``(a shape, b shape)``) or ``sdpa`` (``(q, k, v
-    shapes, mask shape or ())``); ``dtype`` what it computes in (``fp32``, ``bf16``; ``qlinear``'s
+    (oneDNN int8, ``(M, K, N)``), ``matmul`` (``(a shape, b shape)``), ``sdpa`` (``(q, k, v
+    shapes, mask shape or ())``), ``qsdpa`` (``quantkit::int8_sdpa_cpu``, the same shape) or
+    ``pertoken_qdq`` (the reference per-token choose/quantize/dequantize of an ``(M, K)`` activation); ``dtype`` what it computes in (``fp32``, ``bf16``; ``qlinear``'s
     is its output's)."""
 
     op: str
@@ -170,6 +173,32 @@ def _dt(dtype: torch.dtype) -> str:
     return "bf16" if dtype == torch.bfloat16 else "fp32"
 
 
+def _per_token_chain(dq: Node) -> set[str]:
+    """The names of a per-token dequantize, its quantize and the choose_qparams (and getitems) behind it."""
+    names = {dq.name}
+    q = dq.args[0]
+    if isinstance(q, Node):
+        names.add(q.name)
+        for a in q.args[1:3]:
+            if isinstance(a, Node):
+                names.add(a.name)
+                if a.target is operator.getitem and isinstance(a.args[0], Node):
+                    names.add(a.args[0].name)
+    return names
+
+
+def _int8_attention(sdpa: Node) -> bool:
+    """Whether compile lowers this SDPA to ``quantkit::int8_sdpa_cpu`` (lowering/_qsdpa.py): static
+    per-tensor dequantized q, k and v (through head-split views), and the kernel builds here."""
+    def static_dq(a) -> bool:
+        while isinstance(a, Node) and a.target in _QSDPA_SHAPE_OPS:
+            a = a.args[0]
+        return isinstance(a, Node) and a.target is _Q.dequantize_per_tensor.default
+    if sdpa.kwargs.get("dropout_p") or sdpa.kwargs.get("enable_gqa") or not all(map(static_dq, sdpa.args[:3])):
+        return False
+    return qsdpa_status().available
+
+
 def plan(gm: GraphModule, inputs: Any, *, cpu_kernels: str = "auto", float_dtype: str = "auto",
          shapes: dict | None = None) -> Plan:
     """How ``gm`` (a float graph or a ``quantkit.convert`` q/dq graph) runs after ``quantkit.compile``
@@ -216,6 +245,11 @@ def plan(gm: GraphModule, inputs: Any, *, cpu_kernels: str = "auto", float_dtype
                     extra += m * k * (2 * fsize + 1) + m * nn * 2 * fsize
             else:
                 kernels[Kernel("linear", _dt(dtype), (m, k, nn))] += 1
+                if x_dq and x.target in _PER_TOKEN_DQ:
+                    # the reference per-token chain (row amax, scales, quantize, dequantize) is far slower
+                    # compiled than its bytes say (measured, benchmarks/bench_costmodel.py): timed as it runs
+                    kernels[Kernel("pertoken_qdq", "fp32", (m, k))] += 1
+                    absorbed.update(_per_token_chain(x))
                 if w_dq:
                     absorbed.add(w.name)
                     if target != "onednn":  # dequantized each call (no freezing): int8 read, float written and read
@@ -227,7 +261,11 @@ def plan(gm: GraphModule, inputs: Any, *, cpu_kernels: str = "auto", float_dtype
         elif n.target in _SDPA:
             q, k, v = (shape(a) for a in n.args[:3])
             mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
-            if None not in (q, k, v):
+            if None in (q, k, v):
+                continue
+            if quantized and cpu_kernels != "reference" and _int8_attention(n):
+                kernels[Kernel("qsdpa", "fp32", (q, k, v, shape(mask) or ()))] += 1
+            else:
                 kernels[Kernel("sdpa", _dt(dtype), (q, k, v, shape(mask) or ()))] += 1
     moved, ops = extra, 0
     for n in gm.graph.nodes:
@@ -304,6 +342,19 @@ def kernel_runner(kernel: Kernel) -> Callable[[], Any]:
     if kernel.op == "matmul":
         a, b = (torch.randn(s, generator=g).to(dtype) for s in kernel.shape)
         return lambda: torch.matmul(a, b)
+    if kernel.op == "pertoken_qdq":
+        x = torch.randn(kernel.shape, generator=g)
+
+        def run():
+            s, z = _Q.choose_qparams_per_token(x, torch.int8)
+            q = _Q.quantize_per_token(x, s, z, -128, 127, torch.int8)
+            return _Q.dequantize_per_token(q, s, z, -128, 127, torch.int8, torch.float32)
+
+        return run
+    if kernel.op == "qsdpa":
+        q, k, v = (torch.randint(-128, 128, s, dtype=torch.int8, generator=g) for s in kernel.shape[:3])
+        mask = torch.zeros(kernel.shape[3]) if kernel.shape[3] else None
+        return lambda: torch.ops.quantkit.int8_sdpa_cpu(q, k, v, mask, 0.05, 0, 0.05, 0, 0.05, 0, None)
     if kernel.op == "sdpa":
         q, k, v = (torch.randn(s, generator=g).to(dtype) for s in kernel.shape[:3])
         mask = torch.zeros(kernel.shape[3], dtype=dtype) if kernel.shape[3] else None
