@@ -136,6 +136,7 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
     evaluator = _HeldOut(loaded.model, heldout, heldout_origins, key, kind)
     smoothed: dict = {}
     cli_of: dict[str, object] = {}
+    calibrated: dict = {}  # static recipe -> its calibrated prepared model (the fallback's base)
 
     def graph_for(auto, cli):
         if auto.smoothquant is None:
@@ -149,7 +150,9 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
         if auto.fallback:
             b = at._best_static(trials)
             cli = _as_cli(b, base)
-            variants = Variants(graph_for(b, cli), None, calib, cli.quantizer(module_names))
+            # the base recipe's calibrated model, when it was scored: no second calibration
+            variants = Variants(graph_for(b, cli), None, calib, cli.quantizer(module_names),
+                                prepared=calibrated.get(b.name))
             # build=False: the scoring copy stands in for the model (quantize builds the artifact from
             # the --skip patterns below, for real, and measures it afresh)
             q, keep, score = at.fallback_search(variants, evaluator, evaluator.reference - target,
@@ -163,7 +166,12 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
         cli = _as_cli(auto, base)
         prepared = quantkit.prepare(graph_for(auto, cli), cli.quantizer(module_names))
         quantkit.calibrate(prepared, calib, progress=False)
-        q = quantkit.convert(prepared)
+        q = quantkit.convert(prepared)  # a copy: prepared stays calibrated, for a fallback on this base
+        # under a launch of several processes calibrate reduces across ranks while Variants calibrates
+        # each rank alone: reuse it only in one process (where the two are the same calibration)
+        if not auto.dynamic and not (torch.distributed.is_available() and torch.distributed.is_initialized()
+                                     and torch.distributed.get_world_size() > 1):
+            calibrated[auto.name] = prepared
         cli_of[auto.name] = cli
         return q, evaluator.score(q), {}
 
@@ -198,18 +206,30 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
             speed = {"error": " ".join(str(exc).split())[:150] or type(exc).__name__}
         speed["noise"] = noise
     sources = dict(getattr(meter, "sources", {}) or {}) if meter is not None else {}
+    cpu_note = _cpu_note() if meter is not None else None
     how = ("estimated per kernel (accuracy/_costmodel: nothing compiled)" if estimated else
            "compiled (quantkit.compile / Inductor freezing), median ms per call on one calibration batch")
     doc = {"mode": "auto" if auto_mode else "forced", "metric": key, "target": target,
            "chosen": chosen.recipe, "met": chosen.status == "met", "reason": reason,
            "trials": [dataclasses.asdict(t) for t in trials], "speed": speed, "verdict": verdict,
-           "latency_sources": sources,
+           "latency_sources": sources, "cpu_note": cpu_note,
            "latency_note": how + ", cached in " + str(_latency.cache_path()),
            "cache_notes": list(meter.notes) if meter is not None else []}
     if not auto_mode:
         doc["reason"] = f"forced with --recipe {chosen.recipe}"
         doc["met"] = chosen.score is not None and chosen.score >= target
     return cli_of[chosen.recipe], doc
+
+
+def _cpu_note() -> str | None:
+    """Why this CPU gets no fast int8/bf16 path (one line), or None (helper B's
+    ``accuracy._costmodel.cpu_support_line``; absent in older trees)."""
+    try:
+        from quantkit.accuracy import _costmodel
+    except ImportError:
+        return None
+    line = getattr(_costmodel, "cpu_support_line", None)
+    return line() if callable(line) else None
 
 
 def summary_line(doc: dict) -> str:

@@ -116,6 +116,8 @@ def render_autotune(doc: dict) -> list[str]:
              "in one (accuracy, latency, tensor bytes).", ""]
     if doc.get("verdict"):
         lines += [f"**{doc['verdict'][0].upper()}{doc['verdict'][1:]}.**", ""]
+    if doc.get("cpu_note"):
+        lines += [f"Note: {doc['cpu_note']}.", ""]
     s = doc.get("speed") or {}
     if "vs_fp32" in s:
         bf16 = (f", bf16 {s['bf16_ms']:.2f} ms (**{s['vs_bf16']:.2f}x**)" if s.get("vs_bf16")

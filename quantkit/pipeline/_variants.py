@@ -138,16 +138,23 @@ class Variants:
         calib_data: calibration batches (iterated again only for variants whose
             observers cannot be copied).
         quantizer: the quantizer for the all-quantized model.
+        prepared: ``model`` (a GraphModule) already prepared with ``quantizer`` and calibrated on
+            ``calib_data`` (a search that scored the all-int8 recipe has one): it is used as it
+            is (not modified) instead of preparing and calibrating again.
     """
 
-    def __init__(self, model: torch.nn.Module, example_inputs, calib_data: Iterable, quantizer) -> None:
+    def __init__(self, model: torch.nn.Module, example_inputs, calib_data: Iterable, quantizer, *,
+                 prepared: GraphModule | None = None) -> None:
         if quantizer is None:
             quantizer = W8A8Quantizer()
         self.quantizer = quantizer
         self.calib_data = calib_data
         self.float_graph = model if isinstance(model, GraphModule) else capture(model, example_inputs)
-        prepared = prepare(self.float_graph, quantizer)  # prepare copies; the float graph stays as it is
-        calibrate(prepared, calib_data, progress=False, distributed=False)  # every rank has all the data
+        if prepared is None:
+            prepared = prepare(self.float_graph, quantizer)  # prepare copies; the float graph stays as it is
+            calibrate(prepared, calib_data, progress=False, distributed=False)  # every rank has all the data
+        elif "quantkit_calibrated_batches" not in prepared.meta:
+            raise ValueError("Variants(prepared=...) takes a calibrated prepared model; calibrate it first")
         self._batches = prepared.meta["quantkit_calibrated_batches"]
         # convert leaves the prepared model (and so these observers) as they are
         self._groups = _observer_groups(prepared)
