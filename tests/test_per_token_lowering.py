@@ -100,7 +100,7 @@ def test_registered_between_int8_and_weight_only_on_cpu():
                                                                             "scaled_mm")) == {}
     gm = copy.deepcopy(c)
     ctx = LoweringContext("cpu", Target.ONEDNN, "onednn", torch.float32, "scaled_mm")
-    assert _per_token.lower_per_token(gm, ctx) == {"per_token_int_mm": 1}
+    assert _per_token.lower_per_token(gm, ctx) == {"per_token_int_mm": 1, "per_token_gemms": 1}
 
 
 def test_mlp_op_counts_and_one_int8_copy_of_each_weight():
@@ -240,7 +240,8 @@ def test_compiled_onednn_matches_reference_with_small_weights(case):
         c, gemms = _converted(_Siblings(bias=False), x), 1
     _small_weights(c)
     fast, out, code = _compiled_code(c, x)
-    assert fast._orig_mod.meta[LOWERING_META_KEY]["per_token_int_mm"] == (1 if case == "2d-bias" else 3)
+    counts = fast._orig_mod.meta[LOWERING_META_KEY]
+    assert (counts["per_token_int_mm"], counts["per_token_gemms"]) == ((1, 1) if case == "2d-bias" else (3, 1))
     assert code.count("= torch.ops.onednn.qlinear_pointwise") == gemms  # Inductor's pattern took every _int_mm
     assert "_int_mm" not in code and "quantized_decomposed" not in code  # quantize fused into C++, no fallback
     with torch.no_grad():

@@ -40,7 +40,9 @@ def lower(gm: GraphModule, target: Target | str) -> dict[str, int]:
     ``matmul(dq(a), dq(b))`` of two quantized activations (attention; the left one may be per
     token) ``quantkit.int8_bmm``.
     oneDNN target: int8 activations become uint8 and reduced-range quantizes get an explicit
-    clamp (see ``_onednn``); Inductor's freezing patterns then do the rewrite. Anything else keeps its reference quantize/dequantize ops.
+    clamp (see ``_onednn``); Inductor's freezing patterns then do the rewrite. Per-token linears
+    are rewritten by the separate registered pass ``int8_per_token`` (``_per_token.py``), which
+    ``quantkit.compile`` runs after this one. Anything else keeps its reference quantize/dequantize ops.
     """
     target = Target(target)
     if target is Target.ONEDNN:

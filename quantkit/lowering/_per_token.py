@@ -210,7 +210,12 @@ def rewrite_per_token_linears(gm: GraphModule) -> int:
 
 @register_lowering("int8_per_token", order=150, devices=("cpu",))
 def lower_per_token(gm: GraphModule, ctx: LoweringContext) -> dict[str, int]:
-    """The registered pass: :func:`rewrite_per_token_linears` where ``compile`` chose oneDNN on CPU."""
+    """The registered pass: :func:`rewrite_per_token_linears` where ``compile`` chose oneDNN on CPU.
+
+    Records ``per_token_int_mm`` (linears rewritten) and ``per_token_gemms`` (``_int_mm`` nodes:
+    fewer where siblings share one)."""
     if ctx.target != Target.ONEDNN:  # an enum member or its string value
         return {}
-    return {"per_token_int_mm": rewrite_per_token_linears(gm)}
+    linears = rewrite_per_token_linears(gm)
+    gemms = sum(1 for n in gm.graph.nodes if n.target is aten._int_mm.default and INT8_KERNEL_META_KEY in n.meta)
+    return {"per_token_int_mm": linears, "per_token_gemms": gemms}
