@@ -229,21 +229,28 @@ class _no_warning:
         return False
 
 
-@pytest.mark.parametrize("case", ["2d-bias", "3d-siblings"])
+@pytest.mark.parametrize("case", ["2d-bias", "3d-siblings", "dynamic-per-tensor"])
 def test_compiled_onednn_matches_reference_with_small_weights(case):
-    if case == "2d-bias":
-        c, x = _linear(bias=True, rank=2)
-        gemms = 1
-    else:
-        torch.manual_seed(0)
+    """Per-token linears reach oneDNN through this pass; dynamic per-tensor ones through Inductor's
+    own ``dequantize_per_tensor.tensor`` qlinear pattern (nothing for this pass to do)."""
+    torch.manual_seed(0)
+    if case == "3d-siblings":
         x = torch.randn(4, 8, 64)
-        c, gemms = _converted(_Siblings(bias=False), x), 1
+        c, expect = _converted(_Siblings(bias=False), x), (3, 1)
+    elif case == "2d-bias":
+        c, x = _linear(bias=True, rank=2)
+        expect = (1, 1)
+    else:
+        x = torch.randn(32, 64)
+        c, expect = _converted(nn.Sequential(nn.Linear(64, 48)), x, QuantConfig(dynamic=True)), (0, 0)
     _small_weights(c)
     fast, out, code = _compiled_code(c, x)
     counts = fast._orig_mod.meta[LOWERING_META_KEY]
-    assert (counts["per_token_int_mm"], counts["per_token_gemms"]) == ((1, 1) if case == "2d-bias" else (3, 1))
-    assert code.count("= torch.ops.onednn.qlinear_pointwise") == gemms  # Inductor's pattern took every _int_mm
-    assert "_int_mm" not in code and "quantized_decomposed" not in code  # quantize fused into C++, no fallback
+    assert (counts["per_token_int_mm"], counts["per_token_gemms"]) == expect
+    assert code.count("= torch.ops.onednn.qlinear_pointwise") == 1  # one oneDNN GEMM (siblings: for all three)
+    assert "_int_mm" not in code
+    if case != "dynamic-per-tensor":  # per token: the quantize fused into C++, no Python fallback left
+        assert "quantized_decomposed" not in code
     with torch.no_grad():
         ref = c(x)
     assert _rel(_flat(out), _flat(ref)) < FP32_REL_TOL, _rel(_flat(out), _flat(ref))

@@ -13,8 +13,9 @@ which becomes ``onednn.qlinear_pointwise`` (int8 x int8, int32 accumulation, ``w
 applied inside, weight prepacked once at freezing) followed by the ``x_scale`` multiply and the
 bias add. This pass writes exactly that form for each per-token linear whose activation is
 symmetric (zero point 0: ``choose_qparams_per_token``) and whose weight is symmetric int8,
-per channel or per tensor. The graph's ``choose_qparams_per_token`` / ``quantize_per_token``
-stay as they are: the integers the GEMM reads are the reference integers.
+per channel or per tensor. The graph's ``choose_qparams_per_token`` / ``quantize_per_token`` pair
+is written out as the aten ops of torch's own implementation (``_quantize``: Inductor fuses them
+into one C++ loop), so the integers the GEMM reads are the reference integers (tested bit for bit).
 
 Numerics: ``sum_k q_x q_w`` is an exact int32 (``|q| <= 127``, K < 2**17), so the rewritten
 graph differs from the reference ``linear(q_x s_x, q_w s_w)`` only by float32 rounding order
@@ -46,7 +47,7 @@ from ._registry import LoweringContext, register_lowering
 __all__ = ["INT8_KERNEL_META_KEY", "match_per_token_linear", "rewrite_per_token_linears", "lower_per_token"]
 
 aten = torch.ops.aten
-# node.meta key on every node this pass writes: the name of the linear node it replaced
+# node.meta key on every node this pass writes: the names of the linear nodes it replaced, comma-separated
 INT8_KERNEL_META_KEY = "quantkit_int8_kernel"
 
 
