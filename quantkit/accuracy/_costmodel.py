@@ -20,8 +20,11 @@ machine by the caller), adds the elementwise rest as bytes moved over this CPU's
 bandwidth, and sums. It never times bf16 where the CPU has no native BF16 (emulated bf16 is
 ~100x slower and says nothing): such a plan is never asked for, since compile keeps fp32 there.
 
-The numbers estimate an idle machine (each kernel's fastest of several calls); how far they are from
-compiled measurements is in BENCHMARKS.md (issue 28) and ``benchmarks/bench_costmodel.py``.
+The numbers estimate an idle machine (each kernel's fastest of several calls). They rank; they do
+not predict: measured against compiled models on this repository's 2-core AVX2 machine (1 thread,
+under load, ``benchmarks/bench_costmodel.py``, issue 28) the estimates were 0.4-0.9x the compiled
+times, and ranked fp32 / static reference / forced oneDNN / per-token reference as the compiled
+models did on the tests' MLP and transformer block (MiniLM 8x128: the same except a near tie).
 """
 
 from __future__ import annotations
@@ -70,8 +73,8 @@ _BANDWIDTH_ELEMENTS = 1 << 22
 BANDWIDTH_BYTES = 2 * 4 * _BANDWIDTH_ELEMENTS
 # Inductor fuses chains of elementwise ops (q/dq arithmetic, GELU, adds, LayerNorm's pointwise
 # part) into one loop each: of the bytes the unfused ops would move, about this fraction is
-# moved. Fitted on the validation models (benchmarks/bench_costmodel.py, issue 28: MiniLM
-# reference/fp32 and the test block), to within the errors reported there.
+# moved. A round guess, not a fit: on MiniLM 8x128 the whole elementwise term is 1-2% of the
+# estimate (GEMMs and SDPA are the rest), so it moves no ranking there (issue 28)
 FUSED_FRACTION = 0.5
 
 
