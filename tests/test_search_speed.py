@@ -13,7 +13,7 @@ import quantkit
 from quantkit.accuracy import _autotune as at
 from quantkit.accuracy._metrics import Evaluator
 from quantkit.pipeline._layers import KeepFloat, find_layers
-from quantkit.pipeline._variants import Variants
+from quantkit.pipeline._variants import Variants, fuse_qdq, scoring_copy
 from quantkit.quantizers import QuantConfig, W8A8Quantizer
 from tests.models import make_cnn, make_transformer
 
@@ -94,3 +94,26 @@ def test_fallback_search_builds_two_models_only():
     with torch.no_grad():
         assert torch.equal(q(x), real(x))
     assert score == evaluator.score(real) and evaluator.reference - score <= budget
+
+
+@pytest.mark.parametrize("make", [make_transformer, make_cnn])
+@pytest.mark.parametrize("observer", ["minmax", "histogram"])
+def test_fused_qdq_scores_exactly_what_the_reference_graph_computes(make, observer):
+    model, x = make()
+    q = quantkit.quantize(model, (x[:8],), [x[:16]], W8A8Quantizer(QuantConfig(act_observer=observer)), progress=False)
+    fused = scoring_copy(q)
+    pairs = _count(q, QD.dequantize_per_tensor.default)
+    assert pairs > 0 and _count(fused, QD.dequantize_per_tensor.default) == 0
+    assert _count(fused, QD.quantize_per_tensor.default) == 0
+    # the original is untouched (its graph still has every pair: the lowering and the latency need them)
+    assert _count(q, QD.dequantize_per_tensor.default) == pairs
+    with torch.no_grad():
+        for batch in (x, 4 * x):  # 4x: far outside the calibrated ranges, the clamp at work
+            assert torch.equal(fused(batch), q(batch))
+    # the same math written plainly, for one pair: round(x / s) + zp, clamped, - zp, * s
+    from quantkit.pipeline._variants import _fake_quant
+
+    v = torch.randn(1000) * 3
+    s, zp = 0.0123, 117
+    ref = (torch.clamp(torch.round(v * (1.0 / s)) + zp, 0, 255).to(torch.uint8).to(torch.float32) - zp) * s
+    assert torch.equal(_fake_quant(v, 1.0 / s, s, zp, 0, 255), ref)

@@ -461,7 +461,7 @@ def autotune(model: torch.nn.Module, example_inputs: Any, calib: Iterable, eval_
     import warnings
 
     from quantkit.pipeline._capture import capture
-    from quantkit.pipeline._variants import Variants
+    from quantkit.pipeline._variants import Variants, scoring_copy
     from quantkit.quantizers import W8A8Quantizer
 
     from . import _latency
@@ -495,7 +495,7 @@ def autotune(model: torch.nn.Module, example_inputs: Any, calib: Iterable, eval_
         from quantkit.pipeline._api import quantize
 
         q = quantize(base_graph(r), example_inputs, calib, W8A8Quantizer(r.config()), progress=False)
-        return q, evaluator.score(q), {}
+        return q, evaluator.score(scoring_copy(q)), {}  # the same values, q/dq fused
 
     meter = _latency.Meter(gm, example_inputs) if measure_latency else None
     noise, cheap = _meter_noise(meter), _estimates(meter)

@@ -119,7 +119,7 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
     import quantkit
     from quantkit.accuracy import _autotune as at, _latency
     from quantkit.pipeline._inputs import call_model
-    from quantkit.pipeline._variants import Variants
+    from quantkit.pipeline._variants import Variants, scoring_copy
 
     from . import _report as report
 
@@ -173,7 +173,7 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
                                      and torch.distributed.get_world_size() > 1):
             calibrated[auto.name] = prepared
         cli_of[auto.name] = cli
-        return q, evaluator.score(q), {}
+        return q, evaluator.score(scoring_copy(q)), {}  # the same values, q/dq fused (a third of the passes)
 
     def _quick(auto):
         """A model of ``auto``'s kind of lowering, as quantize builds it, calibrated on one batch: for timing."""

@@ -36,7 +36,7 @@ from ._inputs import call_model
 from ._layers import _MOVES, KeepFloat, Layer, find_layers
 from ._prepare import prepare
 
-__all__ = ["Variants"]
+__all__ = ["Variants", "fuse_qdq", "scoring_copy"]
 
 
 def _producer(node: Node, modules: dict) -> str:
@@ -171,6 +171,7 @@ class Variants:
         self._weights = {} if dynamic else _float_weights(prepared, self.layers)
         self.cheap: bool | None = False if dynamic else None
         self.built = 0  # real builds (prepare + convert) done, for tests and reports
+        self._scoring: GraphModule | None = None  # the all-int8 model's scoring copy
 
     def quantizer_for(self, keep_float: Iterable[str]):
         names = frozenset(keep_float)
@@ -201,7 +202,9 @@ class Variants:
         ``meta`` does not describe its own qparams: build the artifact with :meth:`build`."""
         names = frozenset(keep_float)
         if not names:
-            return self.quantized
+            if self._scoring is None:
+                self._scoring = scoring_copy(self.quantized)
+            return self._scoring
         if self.cheap is False or any(self._weights.get(n) is None for n in names):
             return self.build(names)
         cheap = self._rewire(names)
@@ -210,8 +213,9 @@ class Variants:
         if self.cheap is None:  # the first one is checked against the real build, bit for bit
             real = self.build(names)
             self.cheap = _same(cheap, real, next(iter(self.calib_data)))
-            return cheap if self.cheap else real
-        return cheap
+            if not self.cheap:
+                return real
+        return fuse_qdq(cheap)
 
     def _rewire(self, names: frozenset) -> GraphModule | None:
         graph = torch.fx.Graph()
@@ -259,6 +263,58 @@ class Variants:
             for name in names:
                 setattr(prepared, name, new)
         return True
+
+
+_Q, _DQ = torch.ops.quantized_decomposed.quantize_per_tensor.default, torch.ops.quantized_decomposed.dequantize_per_tensor.default
+
+
+def _fake_quant(x: torch.Tensor, inv_scale: float, scale: float, zero_point: int, qmin: int, qmax: int) -> torch.Tensor:
+    """``dequantize_per_tensor(quantize_per_tensor(x))`` in one buffer: the same float32 operations
+    in the same order (``round(x * (1/s)) + zp``, clamped; ``- zp``, ``* s``) without the integer
+    tensor in between, whose two conversions are exact for the integers the clamp leaves."""
+    t = torch.mul(x, inv_scale)
+    t.round_().add_(zero_point).clamp_(qmin, qmax)
+    return t.sub_(zero_point).mul_(scale)
+
+
+def fuse_qdq(gm: GraphModule) -> GraphModule:
+    """In place: every static per-tensor ``quantize -> dequantize`` pair of ``gm`` (float32 in and
+    out, 8-bit integers, the same qparams) becomes one :func:`_fake_quant` call: the same values,
+    a third of the memory passes (issue 28: the q/dq of the reference graph were most of a scoring
+    forward on CPU). For scoring copies only: the graph no longer has the ops a lowering matches."""
+    for dq in list(gm.graph.nodes):
+        if dq.op != "call_function" or dq.target is not _DQ or dq.kwargs:
+            continue
+        q = dq.args[0]
+        if not (isinstance(q, Node) and q.op == "call_function" and q.target is _Q and not q.kwargs):
+            continue
+        x, scale, zp, qmin, qmax, dtype = q.args[:6]
+        out = dq.args[6] if len(dq.args) > 6 else None
+        val = x.meta.get("val") if isinstance(x, Node) else None
+        if (tuple(dq.args[1:6]) != (scale, zp, qmin, qmax, dtype) or dtype not in (torch.uint8, torch.int8)
+                or out not in (None, torch.float32) or not isinstance(scale, float) or not isinstance(zp, int)
+                or not (isinstance(val, torch.Tensor) and val.dtype == torch.float32)):
+            continue
+        with gm.graph.inserting_before(dq):
+            fused = gm.graph.call_function(_fake_quant, (x, 1.0 / scale, scale, zp, qmin, qmax))
+        fused.meta = dict(dq.meta)
+        dq.replace_all_uses_with(fused)
+        gm.graph.erase_node(dq)
+        if not q.users:
+            gm.graph.erase_node(q)
+    gm.recompile()
+    return gm
+
+
+def scoring_copy(gm: GraphModule) -> GraphModule:
+    """A copy of ``gm`` (its own graph, ``gm``'s tensors) with :func:`fuse_qdq` applied: what a
+    search scores, computing exactly what ``gm`` computes."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    out = GraphModule(gm, graph)
+    out.meta.update(gm.meta)
+    return fuse_qdq(out)
 
 
 def _drop_dead(graph: torch.fx.Graph) -> None:
