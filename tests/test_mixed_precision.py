@@ -211,6 +211,9 @@ def test_float_layers_to_bf16_with_float32_float_ops(monkeypatch, block):
     assert "float_layers_bf16" not in run_lowerings(copy.deepcopy(mixed), ctx(torch.float32))
     monkeypatch.setattr(_bf16, "bf16_supported", lambda: True)
     assert "float_layers_bf16" not in run_lowerings(copy.deepcopy(mixed), ctx(torch.float32, None))
+    # an explicit compile(float_dtype="fp32") keeps every float op in float32
+    fp32_asked = LoweringContext("cpu", Target.ONEDNN, "auto", torch.float32, "scaled_mm", requested_float_dtype="fp32")
+    assert "float_layers_bf16" not in run_lowerings(copy.deepcopy(mixed), fp32_asked)
     bf16_all = run_lowerings(copy.deepcopy(mixed), ctx(torch.bfloat16))
     assert "float_layers_bf16" not in bf16_all and bf16_all["to_bf16"] > 0
     gm = copy.deepcopy(mixed)
@@ -286,18 +289,18 @@ def test_keep_float_bf16_record_reaches_the_converted_model():
     assert "float_weights='bf16'" in repr(q)
     p = quantkit.prepare(quantkit.capture(model, (x[:8],)), q)
     quantkit.calibrate(p, calib, progress=False)
-    gm = quantkit.convert(p)
-    by_hand = copy.deepcopy(gm)
-    assert finish_recorded_float_layers(gm) == {"stray_qdq_inputs": 0, "bf16_weights": 1}
-    assert finish_float_layers(by_hand, ["linear_1"])["bf16_weights"] == 1
+    gm = quantkit.convert(p)  # convert applies the record itself
     assert get_attr(gm, "fc2.weight").dtype == torch.bfloat16
-    with torch.no_grad():
-        assert torch.equal(gm(x), by_hand(x))
-    # without the option nothing is recorded and nothing changes
+    assert finish_recorded_float_layers(copy.deepcopy(gm))["bf16_weights"] == 0  # nothing left to do
+    # without the option nothing is recorded and nothing changes; finishing it by hand gives convert's graph
     p = quantkit.prepare(quantkit.capture(model, (x[:8],)), KeepFloat(W8A8Quantizer(), ["linear_1"]))
     quantkit.calibrate(p, calib, progress=False)
     plain = quantkit.convert(p)
     assert finish_recorded_float_layers(plain) == {} and get_attr(plain, "fc2.weight").dtype == torch.float32
+    by_hand = copy.deepcopy(plain)
+    assert finish_float_layers(by_hand, ["linear_1"])["bf16_weights"] == 1
+    with torch.no_grad():
+        assert torch.equal(gm(x), by_hand(x))
 
 
 def test_an_unfolded_weight_qdq_is_not_a_stray_pair():

@@ -294,9 +294,11 @@ def lower_float_layers_bf16(gm: GraphModule, ctx: LoweringContext) -> dict[str, 
     Why only the fallback's layers: their weights are already bf16 (``store_float_layers_bf16``),
     so a bf16 GEMM loses only the rounding of its activation and runs at the CPU's bf16 rate,
     where a float32 GEMM costs ~2x the memory traffic of a bf16 one and 4x an int8 one.
-    ``compile(float_dtype="fp32")`` cannot be told from an ``"auto"`` that resolved to float32 here
-    (the context holds the resolved dtype only), so both take this pass on such CPUs.
+    ``compile(float_dtype="fp32")`` asks for float32 everywhere: it skips this pass
+    (``ctx.requested_float_dtype``); an ``"auto"`` that resolved to float32 takes it.
     """
+    if ctx.requested_float_dtype == "fp32":
+        return {}
     if ctx.float_dtype != torch.float32 or ctx.target is None or str(getattr(ctx.target, "value", ctx.target)) != "onednn":
         return {}
     if not bf16_supported():

@@ -116,7 +116,9 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", float_dtype: s
     # validates on CUDA too; "auto" is bf16 only where oneDNN int8 runs (not weight-only graphs: no activation q/dq)
     dtype = resolve_float_dtype(float_dtype, onednn=target is Target.ONEDNN and _has_qdq(converted), graph=converted)
     gm = copy.deepcopy(converted)
-    ctx = LoweringContext("cuda" if target is Target.TRITON else "cpu", target, cpu_kernels, dtype, fp8_kernel)
+    ctx = LoweringContext("cuda" if target is Target.TRITON else "cpu", target, cpu_kernels, dtype, fp8_kernel,
+                          requested_float_dtype=float_dtype if isinstance(float_dtype, str) else
+                          {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(float_dtype, "auto"))
     gm.meta[LOWERING_META_KEY] = counts = run_lowerings(gm, ctx)  # every registered pass that applies, in order
     if reason is not None:
         gm.meta[REFERENCE_META_KEY] = reason

@@ -8,9 +8,10 @@ and decides itself whether it applies (``ctx`` says everything ``compile`` decid
 returns is merged into ``gm.meta["quantkit_lowering"]`` with ``dict.update``, so it returns only
 the counts it wants recorded (``{}`` when it did nothing).
 
-quantkit's own passes register from their modules: the int8 GEMMs (``_lower.py``, order 100), the
-weight-only GEMMs (``_weight_only.py``, 200), FP8 (``_fp8.py``, 300) and int8-mixed-bf16
-(``_bf16.py``, 400). A scheme adds its pass from its own file, e.g.::
+quantkit's own passes register from their modules: the int8 GEMMs (``_lower.py``, order 100), per-token
+int8 GEMMs (``_per_token.py``, 150), int8 SDPA (``_qsdpa.py``, 150), the weight-only GEMMs
+(``_weight_only.py``, 200), FP8 (``_fp8.py``, 300), int8-mixed-bf16 (``_bf16.py``, 400) and the bf16
+float-fallback GEMMs (``_bf16.py``, 410). A scheme adds its pass from its own file, e.g.::
 
     @register_lowering("mxfp4", order=250, devices=("cuda",))
     def lower_mxfp4(gm, ctx):
@@ -19,6 +20,7 @@ weight-only GEMMs (``_weight_only.py``, 200), FP8 (``_fp8.py``, 300) and int8-mi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping, Optional
@@ -48,6 +50,9 @@ class LoweringContext:
         float_dtype: what the float ops run in (``torch.float32`` or ``torch.bfloat16``).
         fp8_kernel: the ``fp8_kernel`` argument (``"scaled_mm"`` or ``"triton"``).
         counts: the rewrite counts recorded by the passes that ran before this one.
+        requested_float_dtype: the ``float_dtype`` argument as the user gave it (``"auto"``, ``"bf16"``,
+            ``"fp32"``): ``float_dtype`` is what it resolved to, and an explicit ``"fp32"`` is a request
+            that no pass turns float work into bf16.
     """
 
     device: str
@@ -56,6 +61,7 @@ class LoweringContext:
     float_dtype: torch.dtype
     fp8_kernel: str
     counts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    requested_float_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -99,7 +105,8 @@ def register_lowering(name: str, *, order: int,
     Args:
         name: unique name of the pass (e.g. ``"weight_only"``).
         order: where it runs: passes run by increasing ``order`` (ties by name). quantkit's own
-            passes use 100 (int8), 200 (weight-only), 300 (FP8), 400 (bf16 casts).
+            passes use 100 (int8), 150 (per-token int8, int8 SDPA), 200 (weight-only), 300 (FP8),
+            400 (bf16 casts), 410 (bf16 float-fallback GEMMs).
         devices: the devices it runs for, some of ``("cpu", "cuda")``.
 
     Registering a second, different function under a taken name raises :class:`LoweringError`
@@ -143,6 +150,6 @@ def run_lowerings(gm: GraphModule, ctx: LoweringContext) -> dict[str, int]:
     """
     counts: dict[str, int] = {}
     for p in registered_lowerings(ctx.device):
-        step = LoweringContext(ctx.device, ctx.target, ctx.cpu_kernels, ctx.float_dtype, ctx.fp8_kernel, counts)
+        step = dataclasses.replace(ctx, counts=counts)
         counts.update(p.fn(gm, step) or {})
     return counts
