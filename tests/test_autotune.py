@@ -219,6 +219,13 @@ def test_cli_unreachable_target_writes_the_best_with_a_warning(mlp_files, tmp_pa
                               "noise": 0.05}
     assert tuned["verdict"] is None  # 2 ms against bf16's 3: faster, no warning
     assert all(t["size_bytes"] > 0 for t in tuned["trials"])
+    # quantization.json records how the recipe was chosen: each candidate's (score, latency, size) and front
+    search = doc["search"]
+    assert search["chosen"] == tuned["chosen"] and search["noise"] == 0.05
+    assert [c["recipe"] for c in search["candidates"]] == ["static", "histogram"]
+    for c, t in zip(search["candidates"], tuned["trials"]):
+        assert (c["score"], c["latency_ms"], c["size_bytes"], c["pareto"]) == (
+            t["score"], t["latency_ms"], t["size_bytes"], t["pareto"])
     md = (out / "report.md").read_text()
     assert "## Recipe search" in md and "NOT met" in md and "(**3.00x**)" in md
     assert tuned["cache_notes"] == ["planted note"] and "- planted note" in md  # the meter's notes are reported

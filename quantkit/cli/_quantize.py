@@ -430,6 +430,14 @@ def run_quantize(args, say) -> int:
               "batch_size": args.batch_size, "output": kind,
               "allow_missing_weights": bool(args.allow_missing_weights)}
     doc = _artifact.recipe_document(qmodel, recipe=recipe.to_json(), source=source, config=recipe.scheme_config())
+    if tuned is not None and tuned.get("trials"):
+        # how the recipe was chosen: every candidate's (score, latency, size), the Pareto front, the tie margin
+        doc["search"] = {"metric": tuned["metric"], "target": tuned["target"], "chosen": tuned["chosen"],
+                         "reason": tuned["reason"], "verdict": tuned.get("verdict"),
+                         "noise": (tuned.get("speed") or {}).get("noise"),
+                         "latency_sources": tuned.get("latency_sources", {}),
+                         "candidates": [{k: t.get(k) for k in ("recipe", "status", "score", "latency_ms",
+                                                               "size_bytes", "pareto")} for t in tuned["trials"]]}
     with _artifact.atomic_dir(out, overwrite=args.force, flag="--force") as tmp:
         model_file = _artifact.write_program(program, tmp)
         _artifact.write_json(tmp / _artifact.RECIPE_FILE, report.json_safe(doc))
