@@ -107,7 +107,10 @@ def test_default_quantize_artifact(default_artifact):
     assert all(r["weight"].startswith("int8") for n, r in layers.items() if n not in kept)
     # (no layer broken: the autotuned histogram ranges clip, so layer 0's value lands near 9 dB)
     assert all(r["sqnr_db"] > 5 for r in layers.values()), layers
-    assert rep["autotune"]["speed"]["vs_fp32"] > 0 and rep["autotune"]["speed"]["vs_bf16"] > 0
+    speed = rep["autotune"]["speed"]
+    assert speed["vs_fp32"] > 0
+    # bf16 is compared only where the CPU computes it natively (emulated bf16 is no alternative a user picks)
+    assert (speed["vs_bf16"] > 0) if speed["bf16_native"] else ("vs_bf16" not in speed and speed["bf16_ms"] is None)
     assert doc["source"]["model"] == {"kind": "default", "task": "feature-extraction"}
     assert {"quantkit", "torch", "torchao"} <= set(doc["versions"])
     weights = [t for t in doc["tensors"] if t["kind"] == "weight"]
