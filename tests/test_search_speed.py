@@ -117,3 +117,29 @@ def test_fused_qdq_scores_exactly_what_the_reference_graph_computes(make, observ
     s, zp = 0.0123, 117
     ref = (torch.clamp(torch.round(v * (1.0 / s)) + zp, 0, 255).to(torch.uint8).to(torch.float32) - zp) * s
     assert torch.equal(_fake_quant(v, 1.0 / s, s, zp, 0, 255), ref)
+
+
+def test_bf16_variants_score_the_bf16_artifact():
+    """Variants(float_weights="bf16"): each scoring copy computes what the artifact computes
+    (KeepFloat(float_weights="bf16"): kept layers' weights stored in bf16, read unrounded)."""
+    model, x = make_transformer()
+    calib = [x[:16], x[16:32]]
+    variants = Variants(model, (x[:8],), calib, None, float_weights="bf16")
+    names = [layer.name for layer in variants.layers]
+    for keep in [names[1:4], names[::2]]:
+        got = variants.variant(keep)
+        real = quantkit.quantize(model, (x[:8],), calib, KeepFloat(W8A8Quantizer(), keep, float_weights="bf16"),
+                                 progress=False)
+        bf16 = [t for t in real.state_dict().values() if t.dtype == torch.bfloat16]
+        assert bf16, keep  # the artifact does hold bf16 weights
+        assert sum(t.dtype == torch.bfloat16 for t in got.state_dict().values()) == len(bf16), keep
+        with torch.no_grad():
+            assert torch.equal(got(x), real(x)), keep
+    # and the bf16 weights do change the values: the fp32-weight variant differs
+    fp32 = Variants(model, (x[:8],), calib, None).variant(keep)
+    with torch.no_grad():
+        assert not torch.equal(fp32(x), got(x))
+    assert variants.cheap is True and variants.built == 1
+    assert variants.quantizer_for(names[:1]).float_weights == "bf16"
+    with pytest.raises(ValueError, match="float_weights"):
+        Variants(model, (x[:8],), calib, None, float_weights="fp16")

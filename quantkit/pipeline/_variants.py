@@ -32,6 +32,7 @@ from quantkit.quantizers import W8A8Quantizer
 from ._calibrate import calibrate
 from ._capture import capture
 from ._convert import convert, convert_in_place
+from ._float_fallback import finish_float_layers
 from ._inputs import call_model
 from ._layers import _MOVES, KeepFloat, Layer, find_layers
 from ._prepare import prepare
@@ -141,10 +142,17 @@ class Variants:
         prepared: ``model`` (a GraphModule) already prepared with ``quantizer`` and calibrated on
             ``calib_data`` (a search that scored the all-int8 recipe has one): it is used as it
             is (not modified) instead of preparing and calibrating again.
+        float_weights: ``"fp32"`` (default) or ``"bf16"``: what the kept-float layers' weights are
+            stored in (``KeepFloat(float_weights=...)``; bf16 also reads their inputs unrounded, see
+            ``pipeline/_float_fallback``). Scoring copies apply the same, so a search scores the
+            artifact it will build.
     """
 
     def __init__(self, model: torch.nn.Module, example_inputs, calib_data: Iterable, quantizer, *,
-                 prepared: GraphModule | None = None) -> None:
+                 prepared: GraphModule | None = None, float_weights: str = "fp32") -> None:
+        if float_weights not in ("fp32", "bf16"):
+            raise ValueError(f"unknown float_weights {float_weights!r}; use 'fp32' or 'bf16'")
+        self.float_weights = float_weights
         if quantizer is None:
             quantizer = W8A8Quantizer()
         self.quantizer = quantizer
@@ -175,7 +183,7 @@ class Variants:
 
     def quantizer_for(self, keep_float: Iterable[str]):
         names = frozenset(keep_float)
-        return self.quantizer if not names else KeepFloat(self.quantizer, names)
+        return self.quantizer if not names else KeepFloat(self.quantizer, names, float_weights=self.float_weights)
 
     def build(self, keep_float: Iterable[str]) -> GraphModule:
         """The converted model with the layers named in ``keep_float`` left float."""
@@ -183,7 +191,7 @@ class Variants:
         if not names:
             return copy.deepcopy(self.quantized)
         self.built += 1
-        prepared = prepare(self.float_graph, KeepFloat(self.quantizer, names))
+        prepared = prepare(self.float_graph, self.quantizer_for(names))
         modules = dict(prepared.named_modules(remove_duplicate=False))
         if not any(is_observer_node(n, modules) for n in prepared.graph.nodes):
             prepared.meta.pop("quantkit_prepared", None)
@@ -210,6 +218,8 @@ class Variants:
         cheap = self._rewire(names)
         if cheap is None:
             return self.build(names)
+        if self.float_weights == "bf16":  # what convert does for KeepFloat(float_weights="bf16")
+            finish_float_layers(cheap, sorted(names))
         if self.cheap is None:  # the first one is checked against the real build, bit for bit
             real = self.build(names)
             self.cheap = _same(cheap, real, next(iter(self.calib_data)))
