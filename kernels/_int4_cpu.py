@@ -42,7 +42,7 @@ import functools
 import torch
 
 from ._cpu_isa import cpu_has
-from ._kernel_cache import KernelLoadError, KernelStatus, cache_dir, load, verify
+from ._kernel_cache import KernelLoadError, KernelStatus, cache_dir, load, load_with_status, verify
 
 __all__ = ["int4_linear_cpu", "pack_int4_cpu", "available", "status", "KERNEL", "PREFILL_ROWS", "PREFILL_COLUMNS",
            "BLOCK_N"]
@@ -270,14 +270,8 @@ def _loaded() -> tuple[tuple | None, KernelStatus]:
     why = _cpu_gate()
     if why is not None:
         return None, KernelStatus(KERNEL, False, why)
-    try:
-        kernels = (load("int4_linear_cpu", _GEMV_ARGS, _SOURCE), load("int4_decode_cpu", _DECODE_ARGS, _DECODE_SOURCE))
-    except KernelLoadError as exc:
-        return None, KernelStatus(KERNEL, False, str(exc), fault=True)
-    except Exception as exc:  # noqa: BLE001  Inductor internals of another torch release: a reason, not a crash
-        text = " ".join(str(exc).split())[:200]
-        return None, KernelStatus(KERNEL, False, f"building it failed ({type(exc).__name__}: {text})", fault=True)
-    return kernels, KernelStatus(KERNEL, True, f"built and verified in {cache_dir()}")
+    return load_with_status(KERNEL, lambda: (load("int4_linear_cpu", _GEMV_ARGS, _SOURCE),
+                                             load("int4_decode_cpu", _DECODE_ARGS, _DECODE_SOURCE)))
 
 
 def _compiled():

@@ -34,7 +34,7 @@ import functools
 
 import torch
 
-from ._kernel_cache import KernelLoadError, KernelStatus, cache_dir, load
+from ._kernel_cache import KernelStatus, load, load_with_status
 
 __all__ = ["int8_sdpa_cpu", "int8_scores_cpu", "available", "status", "KERNEL", "MAX_HEAD_DIM"]
 
@@ -247,14 +247,7 @@ _ARGS = ["const void*", "const void*", "const void*", "const float*", "float*", 
 
 @functools.cache
 def _loaded():
-    try:
-        fn = load("int8_sdpa_cpu", _ARGS, _SOURCE)
-    except KernelLoadError as exc:
-        return None, KernelStatus(KERNEL, False, str(exc), fault=True)
-    except Exception as exc:  # noqa: BLE001  Inductor internals of another torch release: a reason, not a crash
-        text = " ".join(str(exc).split())[:200]
-        return None, KernelStatus(KERNEL, False, f"building it failed ({type(exc).__name__}: {text})", fault=True)
-    return fn, KernelStatus(KERNEL, True, f"built and verified in {cache_dir()}")
+    return load_with_status(KERNEL, lambda: load("int8_sdpa_cpu", _ARGS, _SOURCE))
 
 
 def status() -> KernelStatus:

@@ -51,11 +51,12 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["KernelLoadError", "KernelStatus", "cache_dir", "load", "verify", "private_inductor_cache", "RECORD"]
+__all__ = ["KernelLoadError", "KernelStatus", "cache_dir", "load", "load_with_status", "verify", "private_inductor_cache",
+           "RECORD"]
 
 RECORD = "digests.json"  # {library file name: sha256 hex} of what quantkit built here
 _LOCK = ".lock"
@@ -415,6 +416,20 @@ def load(name: str, argtypes: Sequence[str], source: str) -> Callable:
         return fn
     finally:
         os.close(dfd)
+
+
+def load_with_status(kernel: str, loads: Callable[[], Any]) -> tuple[Any, KernelStatus]:
+    """``(loads(), status)`` -- ``loads`` calls :func:`load` for one kernel or several -- or ``(None, status)``
+    with the one-line reason it cannot run here: a :class:`KernelLoadError`'s message, or any other
+    failure of Inductor's builder (another torch release's internals) as a reason, not a crash."""
+    try:
+        loaded = loads()
+    except KernelLoadError as exc:
+        return None, KernelStatus(kernel, False, str(exc), fault=True)
+    except Exception as exc:  # noqa: BLE001
+        text = " ".join(str(exc).split())[:200]
+        return None, KernelStatus(kernel, False, f"building it failed ({type(exc).__name__}: {text})", fault=True)
+    return loaded, KernelStatus(kernel, True, f"built and verified in {cache_dir()}")
 
 
 @contextlib.contextmanager
