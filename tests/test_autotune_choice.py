@@ -194,3 +194,20 @@ def test_two_runs_choose_the_same_recipe_and_give_the_same_tensors(monkeypatch):
         if t.score is not None:
             assert t.latency_ms is not None and t.size_bytes > 0 and t.pareto is not None
     assert "slower than the float model" not in str(r1) or r1.verdict
+
+
+def test_a_recipe_that_cannot_meet_the_target_is_not_built_and_says_why():
+    built = []
+    scores = dict(_SCORES, gptq=0.9999)  # were it built, gptq (15 ms) would not win either
+    why = {"gptq": "static with float weights scores 0.99400 < 0.999"}
+    _, trials, best, _ = at.search(list(R.values()), _evaluate(scores, built), 0.999,
+                                   latency=lambda r, m: _LATENCY[r.name], lower_bound=lambda r: _BOUND[r.lowering],
+                                   size=lambda m: 1000, cannot_meet=lambda r, t: why.get(r.name))
+    assert "gptq" not in built
+    t = next(t for t in trials if t.recipe == "gptq")
+    assert t.status == f"skipped: cannot meet the target ({why['gptq']})" and t.score is None
+    # the choice is the one without the bound
+    _, plain, chosen, _ = at.search(list(R.values()), _evaluate(_SCORES), 0.999,
+                                    latency=lambda r, m: _LATENCY[r.name], lower_bound=lambda r: _BOUND[r.lowering],
+                                    size=lambda m: 1000)
+    assert trials[best].recipe == plain[chosen].recipe

@@ -143,3 +143,29 @@ def test_bf16_variants_score_the_bf16_artifact():
     assert variants.quantizer_for(names[:1]).float_weights == "bf16"
     with pytest.raises(ValueError, match="float_weights"):
         Variants(model, (x[:8],), calib, None, float_weights="fp16")
+
+
+def test_weights_float_keeps_every_activation_rounding_and_the_float_weights():
+    """Variants.weights_float (the bound that lets the CLI skip GPTQ): every layer reads its float
+    weight (the model's own parameter, bit for bit), every activation is rounded as in the int8 model."""
+    model, x = make_transformer()
+    variants = Variants(model, (x[:8],), [x[:16]], None)
+    bound = variants.weights_float()
+    int8 = scoring_copy(variants.quantized)
+    from quantkit.pipeline._variants import _fake_quant
+
+    # the same activation fake-quant calls (weights are folded int8 attributes: no fake-quant of theirs)
+    assert _count(bound, _fake_quant) == _count(int8, _fake_quant) > 0
+    assert _count(bound, QD.dequantize_per_channel.default) == 0 < _count(variants.quantized,
+                                                                          QD.dequantize_per_channel.default)
+    params = [p.detach() for p in model.parameters()]
+    nodes = {n.name: n for n in bound.graph.nodes}
+    linears = [layer for layer in variants.layers if layer.op == "linear"]
+    assert linears
+    for layer in linears:
+        w = nodes[layer.name].args[1]
+        assert w.op == "get_attr"
+        tensor = getattr(bound, w.target)
+        assert any(tensor.shape == p.shape and torch.equal(tensor, p) for p in params), layer.name
+    with torch.no_grad():
+        assert not torch.equal(bound(x), int8(x))

@@ -251,7 +251,9 @@ def search(recipes: Sequence[AutoRecipe], evaluate: Callable[[AutoRecipe, list[T
            target: float, *, latency: Callable[[AutoRecipe, Any], float] | None = None,
            lower_bound: Callable[[AutoRecipe], float | None] | None = None,
            say: Callable[[str], None] | None = None, noise: float = SPEED_MARGIN,
-           size: Callable[[Any], int] | None = None, time_all: bool = False) -> tuple[Any, list[Trial], int, str]:
+           size: Callable[[Any], int] | None = None, time_all: bool = False,
+           cannot_meet: Callable[[AutoRecipe, list[Trial]], str | None] | None = None,
+           ) -> tuple[Any, list[Trial], int, str]:
     """The search itself, independent of models: returns ``(model, trials, chosen index, reason)``.
 
     ``evaluate(recipe, trials_so_far) -> (model, score, details)`` builds and scores a recipe;
@@ -264,6 +266,9 @@ def search(recipes: Sequence[AutoRecipe], evaluate: Callable[[AutoRecipe, list[T
     meeting ``target``, latencies within ``noise`` being ties broken by the given order (see
     :func:`fastest`); without ``latency``, the first meeting it. ``time_all``: also time the
     candidates below the target (cheap when latencies are estimated), for the Pareto front.
+    ``cannot_meet(recipe, trials_so_far)``: why ``recipe`` cannot reach ``target`` (an upper bound
+    of its score, measured, below it), or None; such a recipe is not built and its trial says
+    why (a recipe that cannot meet the target is no candidate: the choice is unchanged).
     A recipe that raises a ValueError/RuntimeError is recorded as failed and skipped.
     """
     trials: list[Trial] = []
@@ -286,6 +291,13 @@ def search(recipes: Sequence[AutoRecipe], evaluate: Callable[[AutoRecipe, list[T
                 trials.append(Trial(recipe.name, f"skipped: cannot beat {best.recipe} ({why})"))
                 continue
         t0 = time.perf_counter()
+        why_not = cannot_meet(recipe, trials) if cannot_meet is not None else None
+        if why_not:
+            trials.append(Trial(recipe.name, f"skipped: cannot meet the target ({why_not})",
+                                seconds=round(time.perf_counter() - t0, 2)))
+            if say is not None:
+                say(f"autotune: {recipe.name}: skipped ({why_not})")
+            continue
         try:
             model, score, details = evaluate(recipe, trials)
         except (ValueError, RuntimeError, TypeError) as exc:  # QuantkitError is a ValueError

@@ -227,7 +227,19 @@ class Variants:
                 return real
         return fuse_qdq(cheap)
 
-    def _rewire(self, names: frozenset) -> GraphModule | None:
+    def weights_float(self) -> GraphModule | None:
+        """The all-int8 scoring copy with every layer's weight float and every activation still
+        rounded as it is: what perfect weight rounding gives (a weight algorithm such as GPTQ only
+        moves the int8 weights towards these). None where a weight is not a plain attribute."""
+        names = frozenset(layer.name for layer in self.layers)
+        if self.cheap is False or any(self._weights.get(n) is None for n in names):
+            return None
+        gm = self._rewire(names, bypass=False)
+        return None if gm is None else fuse_qdq(gm)
+
+    def _rewire(self, names: frozenset, bypass: bool = True) -> GraphModule | None:
+        """The converted graph with ``names``' weights float and (``bypass``) the activation q/dq
+        that served only them bypassed."""
         graph = torch.fx.Graph()
         env: dict[Node, Node] = {}
         out = graph.graph_copy(self.quantized.graph, env)
@@ -245,7 +257,7 @@ class Variants:
                 weights[attr] = w
                 with graph.inserting_before(dq):
                     node.update_arg(i, graph.get_attr(attr))
-        for dq in [n for n in graph.nodes if n.op == "call_function" and n.target in DEQUANTIZE_OPS]:
+        for dq in [n for n in graph.nodes if bypass and n.op == "call_function" and n.target in DEQUANTIZE_OPS]:
             q = dq.args[0]
             if not (isinstance(q, Node) and q.op == "call_function" and q.target in QUANTIZE_OPS) or not dq.users:
                 continue
