@@ -281,3 +281,36 @@ def test_latency_cache_key_changes_with_the_lowering_source(tmp_path, monkeypatc
     assert before == _latency._lowering_fingerprint()  # the copy digests like the installed source
     (copy_dir / "_lower.py").write_text((copy_dir / "_lower.py").read_text() + "\n# a new pass\n")
     assert _latency._lowering_fingerprint.__wrapped__() != before
+
+
+def test_the_cli_fallback_artifact_is_the_bf16_variant_it_scored():
+    """``quantkit quantize``'s fallback: the recipe it records (--skip patterns, float_weights bf16)
+    builds, through prepare/calibrate/convert and Recipe.finish, exactly the scoring copy the search
+    scored (Variants(float_weights="bf16")), with the kept layers' weights in bf16."""
+    import dataclasses
+
+    from quantkit.cli._quantize import Recipe
+    from quantkit.pipeline._layers import layer_of
+    from quantkit.pipeline._variants import Variants
+    from tests.models import make_transformer
+
+    model, x = make_transformer()
+    gm = quantkit.capture(model, (x[:8],))
+    module_names = [n for n, _ in model.named_modules()]
+    calib = [x[:16], x[16:]]
+    base = Recipe()
+    variants = Variants(gm, None, calib, base.quantizer(module_names), float_weights="bf16")
+    nodes = {n.name: n for n in variants.quantized.graph.nodes}
+    linears = [layer for layer in variants.layers if layer.op == "linear" and layer.module]
+    keep = [linears[0].name, linears[-1].name]
+    recipe = dataclasses.replace(base, skip=tuple(layer_of(nodes[n]).module for n in keep), float_weights="bf16")
+    assert recipe.to_json()["float_weights"] == "bf16" and "float_weights" not in base.to_json()
+    prepared = quantkit.prepare(gm, recipe.quantizer(module_names))
+    quantkit.calibrate(prepared, calib, progress=False)
+    q = quantkit.convert(prepared)
+    done = recipe.finish(q, module_names)
+    assert done["bf16_weights"] == 2
+    assert sum(t.dtype == torch.bfloat16 for t in q.state_dict().values()) == 2
+    with torch.no_grad():
+        assert torch.equal(q(x), variants.variant(keep)(x))
+    assert base.finish(q, module_names) == {}  # fp32 (the default): nothing to do

@@ -105,9 +105,11 @@ class _HeldOut:
         return out
 
 
-def _as_cli(auto, base, skip=()):
-    """The CLI recipe of an autotune recipe, keeping the user's --ops, --skip and --weight-observer."""
+def _as_cli(auto, base, skip=(), float_weights=None):
+    """The CLI recipe of an autotune recipe, keeping the user's --ops, --skip and --weight-observer
+    (``float_weights``: what the skipped layers' weights are stored in; the fallback's: bf16)."""
     return dataclasses.replace(base, activation=None, dynamic=auto.dynamic, granularity=auto.granularity,
+                               float_weights=float_weights or base.float_weights,
                                observer="minmax" if auto.dynamic else auto.act_observer,
                                smoothquant=auto.smoothquant, accuracy_budget=None,
                                weight_algorithm=auto.weight_algorithm,
@@ -137,6 +139,34 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
     smoothed: dict = {}
     cli_of: dict[str, object] = {}
     calibrated: dict = {}  # static recipe -> its calibrated prepared model (the fallback's base)
+    bases: dict = {}  # static recipe -> Variants of its calibrated model (fallback, weight bounds)
+
+    def variants_of(b, cli, float_weights="fp32"):
+        k = (b.name, float_weights)
+        if k not in bases:
+            bases[k] = Variants(graph_for(b, cli), None, calib, cli.quantizer(module_names),
+                                prepared=calibrated.get(b.name), float_weights=float_weights)
+        return bases[k]
+
+    def cannot_meet(auto, trials):
+        """A weight algorithm (GPTQ) changes only the int8 weights of its base recipe: its score is
+        bounded by the base with float weights (activations rounded as they are), one forward per
+        batch instead of a 13 s GPTQ calibration (issue 28)."""
+        if auto.weight_algorithm == "rtn" or auto.fallback or auto.dynamic or auto.smoothquant is not None:
+            return None
+        rtn = next((r for r in at.RECIPES.values() if r.weight_algorithm == "rtn" and not r.fallback
+                    and r.smoothquant is None and r.scheme == dataclasses.replace(auto.scheme, weight_algorithm="rtn")),
+                   None)
+        if rtn is None or rtn.name not in calibrated:  # not scored here (or several processes)
+            return None
+        float_w = variants_of(rtn, _as_cli(rtn, base)).weights_float()
+        if float_w is None:
+            return None
+        bound = evaluator.score(float_w)
+        if bound >= target:
+            return None
+        return (f"{rtn.name} with float weights scores {bound:.5f} < {target:g}; {auto.weight_algorithm} "
+                f"only rounds those weights")
 
     def graph_for(auto, cli):
         if auto.smoothquant is None:
@@ -151,8 +181,8 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
             b = at._best_static(trials)
             cli = _as_cli(b, base)
             # the base recipe's calibrated model, when it was scored: no second calibration
-            variants = Variants(graph_for(b, cli), None, calib, cli.quantizer(module_names),
-                                prepared=calibrated.get(b.name))
+            # float layers in bf16 (issue 28 item 3): the variants score what the artifact computes
+            variants = variants_of(b, cli, "bf16")
             # build=False: the scoring copy stands in for the model (quantize builds the artifact from
             # the --skip patterns below, for real, and measures it afresh)
             q, keep, score = at.fallback_search(variants, evaluator, evaluator.reference - target,
@@ -161,7 +191,7 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
             skip = sorted({layer.module for layer in layers if layer.module})
             if len(skip) < len(layers):  # a top-level op has no module to name with --skip
                 raise ValueError("a sensitive layer has no module name to keep float with --skip")
-            cli_of[auto.name] = _as_cli(b, base, skip)
+            cli_of[auto.name] = _as_cli(b, base, skip, float_weights="bf16")
             return q, score, {"base": b.name, "float_layers": [layer.label for layer in layers]}
         cli = _as_cli(auto, base)
         prepared = quantkit.prepare(graph_for(auto, cli), cli.quantizer(module_names))
@@ -190,7 +220,7 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
         recipes, evaluate, target,
         latency=(lambda r, q: meter.int8(q, r.lowering)) if meter else None,
         lower_bound=(lambda r: meter.kind(r.lowering, lambda: _quick(r))) if meter else None,
-        say=say, noise=noise, size=at.model_bytes, time_all=estimated)
+        say=say, noise=noise, size=at.model_bytes, time_all=estimated, cannot_meet=cannot_meet)
     chosen = trials[best]
     speed, verdict = {}, None
     if meter is not None:

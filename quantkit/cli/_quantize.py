@@ -106,6 +106,9 @@ class Recipe:
     fp8: FP8Recipe | None = None  # --scheme fp8 | fp8-dynamic [--kv-cache]
     weight_algorithm: str = "rtn"  # --algorithm for the W8A8 schemes (QuantConfig.weight_algorithm)
     registered: SchemeRecipe | None = None  # another registered --scheme, run as its config says
+    # what the --skip layers' float weights are stored in: "fp32", or "bf16" (the auto fallback's
+    # float layers, pipeline/_float_fallback: half the bytes, their inputs read unrounded)
+    float_weights: str = "fp32"
 
     @staticmethod
     def from_args(args) -> "Recipe":
@@ -182,6 +185,8 @@ class Recipe:
                 raise inputs.UsageError(f"unknown op families {unknown} for --ops; choose from "
                                         f"{', '.join(sorted(QUANTIZABLE_OPS))} (comma-separated)")
         check_weight_algorithm(self.weight_algorithm, self.weight_only)
+        if self.float_weights not in ("fp32", "bf16"):
+            raise inputs.UsageError(f"unknown float weight dtype {self.float_weights!r}; use fp32 or bf16")
         try:
             self.config()
         except ValueError as exc:
@@ -238,7 +243,9 @@ class Recipe:
                 "observer": None if self.dynamic else self.observer,
                 "weight_observer": self.weight_observer, "weight_algorithm": self.weight_algorithm,
                 "skip": list(self.skip), "smoothquant": self.smoothquant, "accuracy_budget": self.accuracy_budget,
-                "metric": self.metric if self.accuracy_budget is not None else None}
+                "metric": self.metric if self.accuracy_budget is not None else None,
+                # only when not the default: recipes recorded before the field stay as they were
+                **({"float_weights": self.float_weights} if self.float_weights != "fp32" else {})}
 
     def config(self) -> QuantConfig:
         """The W8A8 ``QuantConfig`` of this recipe."""
@@ -267,6 +274,20 @@ class Recipe:
             w8a8.set_module_name(name, None)
             embeddings.set_module_name(name, None)
         return ComposableQuantizer([embeddings, w8a8])
+
+    def finish(self, qmodel, module_names: list[str]) -> dict[str, int]:
+        """With ``float_weights="bf16"``: store the float weights of the --skip layers of the converted
+        ``qmodel`` in bf16 and let them read their inputs unrounded (``finish_float_layers``), in
+        place; what ``Variants(float_weights="bf16")`` scored. ``{}`` otherwise."""
+        if self.float_weights != "bf16" or not self.skip:
+            return {}
+        from quantkit.pipeline._float_fallback import finish_float_layers, float_gemms
+        from quantkit.pipeline._layers import layer_of
+
+        skipped = self.skipped(module_names)
+        names = [n.name for n in float_gemms(qmodel)
+                 if any(m == s or m.startswith(s + ".") for m in (layer_of(n).module,) for s in skipped)]
+        return finish_float_layers(qmodel, names) if names else {}
 
     def skipped(self, module_names: list[str]) -> list[str]:
         """Module names matching any ``--skip`` pattern (fnmatch); a pattern matching nothing is an error."""
@@ -395,6 +416,7 @@ def run_quantize(args, say) -> int:
         torchrun.calibrate(prepared, calib, progress=progress)  # under torchrun: this rank's shard, then synced
         t = clock.lap("calibrate", t)
         qmodel = quantkit.convert(prepared)
+        recipe.finish(qmodel, module_names)  # the fallback's float layers: bf16 weights
         t = clock.lap("convert", t)
     if not torchrun.is_main():  # under torchrun, rank 0 alone evaluates, writes and prints
         return 0
