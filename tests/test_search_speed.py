@@ -169,3 +169,23 @@ def test_weights_float_keeps_every_activation_rounding_and_the_float_weights():
         assert any(tensor.shape == p.shape and torch.equal(tensor, p) for p in params), layer.name
     with torch.no_grad():
         assert not torch.equal(bound(x), int8(x))
+
+
+@pytest.mark.parametrize("make", [make_transformer, make_cnn])
+def test_resumed_variants_are_bit_equal_and_run_only_what_changed(make):
+    from quantkit.pipeline._variants import Resumed
+
+    model, x = make()
+    variants = Variants(model, (x[:8],), [x[:16]], None, float_weights="bf16")
+    names = [layer.name for layer in variants.layers]
+    resumed = Resumed(variants.variant(()))
+    keeps = [[n] for n in names] + [names[1:3]]
+    direct = [variants.variant(k) for k in keeps]
+    plans = [resumed.plan(m) for m in direct]  # every plan first: the base keeps what they need
+    total = sum(1 for n in variants.variant(()).graph.nodes if n.op == "call_function")
+    with torch.no_grad():
+        for keep, d, p in zip(keeps, direct, plans):
+            for batch in (x, x[:16]):
+                assert torch.equal(p(batch), d(batch)), keep
+        # the last layer's variant recomputes far less than the whole graph; the first one more
+        assert 0 < plans[len(names) - 1].ran < plans[0].ran <= total

@@ -11,7 +11,7 @@ import torch
 
 from ..pipeline._layers import Layer
 from ._metrics import Evaluator, Metric, reiterable, resolve_metric
-from ..pipeline._variants import Variants
+from ..pipeline._variants import Resumed, Variants
 
 __all__ = ["sensitivity", "SensitivityMode", "SensitivityReport", "LayerSensitivity"]
 
@@ -105,13 +105,22 @@ def measure(variants: Variants, evaluator: Evaluator, mode: SensitivityMode,
         quantized_score = evaluator.score(variants.quantized)
     from tqdm.auto import tqdm
 
+    def keep(layer):
+        return [n for n in names if n != layer.name] if mode is SensitivityMode.QUANTIZE_ONE else [layer.name]
+
+    # skip-one variants differ from the all-int8 graph from their one float layer on: each is run
+    # from there on the all-int8 graph's values (Resumed: the same ops on the same values)
+    resumed = Resumed(variants.variant(())) if mode is SensitivityMode.SKIP_ONE else None
+    models = [variants.variant(keep(layer)) for layer in variants.layers]
+    if resumed is not None:
+        models = [resumed.plan(m) for m in models]
     entries = []
-    for layer in tqdm(variants.layers, desc="sensitivity", unit="layer", disable=not progress, leave=False):
+    for layer, model in tqdm(list(zip(variants.layers, models)), desc="sensitivity", unit="layer",
+                             disable=not progress, leave=False):
+        score = evaluator.score(model)
         if mode is SensitivityMode.QUANTIZE_ONE:
-            score = evaluator.score(variants.variant([n for n in names if n != layer.name]))
             entries.append(LayerSensitivity(layer, score, evaluator.reference - score))
         else:
-            score = evaluator.score(variants.variant([layer.name]))
             entries.append(LayerSensitivity(layer, score, score - quantized_score))
     # stable: ties keep graph order
     entries.sort(key=lambda e: -e.sensitivity)

@@ -37,7 +37,7 @@ from ._inputs import call_model
 from ._layers import _MOVES, KeepFloat, Layer, find_layers
 from ._prepare import prepare
 
-__all__ = ["Variants", "fuse_qdq", "scoring_copy"]
+__all__ = ["Variants", "fuse_qdq", "scoring_copy", "Resumed"]
 
 
 def _producer(node: Node, modules: dict) -> str:
@@ -361,3 +361,115 @@ def _same(a: GraphModule, b: GraphModule, batch) -> bool:
     return len(la) == len(lb) and all(
         (torch.equal(u, v) if isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor) else u == v)
         for u, v in zip(la, lb))
+
+
+def _flat_inputs(gm: GraphModule, args, kwargs) -> list:
+    """The placeholders' values for a call ``gm(*args, **kwargs)`` (its captured input pytree)."""
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is None or info.in_spec is None:
+        return list(args) + list(kwargs.values())
+    import torch.fx._pytree as fx_pytree
+
+    return list(fx_pytree.tree_flatten_spec((tuple(args), dict(kwargs)), info.in_spec))
+
+
+def _same_value(a, b, same: set) -> bool:
+    if isinstance(a, Node) or isinstance(b, Node):
+        return isinstance(a, Node) and isinstance(b, Node) and a.name == b.name and a.name in same
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_value(x, y, same) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_value(a[k], b[k], same) for k in a)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    return type(a) is type(b) and a == b
+
+
+class _Kept(torch.fx.Interpreter):
+    """Runs a graph, keeping the values of the nodes named in ``keep``."""
+
+    def __init__(self, gm: GraphModule, keep: set) -> None:
+        super().__init__(gm)
+        self.keep, self.kept = keep, {}
+
+    def run_node(self, n: Node):
+        value = super().run_node(n)
+        if n.name in self.keep:
+            self.kept[n.name] = value
+        return value
+
+
+class Resumed:
+    """Scores variants of one scoring graph from where each first differs from it (issue 28).
+
+    A variant keeping a few layers float computes, up to its first changed node, exactly what the
+    all-int8 graph computes. :meth:`plan` finds, for each variant, the nodes it shares with the
+    base (same op, same inputs, the same tensors) and the shared values its changed nodes read;
+    the base runs once per batch, keeping those values, and each variant runs only its changed
+    nodes (:class:`torch.fx.Interpreter`, the same aten ops on the same values: bit-equal
+    outputs). Plan every variant before scoring: the base keeps only what the plans need.
+    """
+
+    def __init__(self, base: GraphModule) -> None:
+        self.base = base
+        self._nodes = {n.name: n for n in base.graph.nodes}
+        self._needed: set[str] = set()
+        self._cache: dict = {}
+
+    def plan(self, gm: GraphModule) -> torch.nn.Module:
+        """A module computing what ``gm`` computes, resumed from the base's values."""
+        same: set[str] = set()
+        for n in gm.graph.nodes:
+            b = self._nodes.get(n.name)
+            if n.op == "output" or b is None or b.op != n.op or b.target != n.target:
+                continue
+            if n.op == "placeholder":
+                same.add(n.name)
+            elif n.op == "get_attr":
+                if get_attr(gm, n.target) is get_attr(self.base, b.target):
+                    same.add(n.name)
+            elif n.op == "call_module":
+                if gm.get_submodule(n.target) is self.base.get_submodule(b.target) and \
+                        _same_value(n.args, b.args, same) and _same_value(n.kwargs, b.kwargs, same):
+                    same.add(n.name)
+            elif _same_value(n.args, b.args, same) and _same_value(n.kwargs, b.kwargs, same):
+                same.add(n.name)
+        frontier = {a.name for n in gm.graph.nodes if n.name not in same for a in n.all_input_nodes
+                    if a.name in same}
+        self._needed |= frontier
+        self._cache.clear()  # a base run kept for fewer plans would miss values
+        return _ResumedModule(self, gm, same, frontier)
+
+    def values(self, args, kwargs) -> dict:
+        leaves = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        key = tuple((id(t), t.data_ptr(), tuple(t.shape)) for t in leaves)
+        if key not in self._cache:
+            if len(self._cache) >= 4:  # a few scoring batches; more would hold too much memory
+                self._cache.pop(next(iter(self._cache)))
+            run = _Kept(self.base, self._needed)
+            run.run(*_flat_inputs(self.base, args, kwargs))
+            self._cache[key] = (leaves, run.kept)  # leaves: keeps the ids valid while cached
+        return self._cache[key][1]
+
+
+class _ResumedModule(torch.nn.Module):
+    def __init__(self, owner: Resumed, gm: GraphModule, same: set, frontier: set) -> None:
+        super().__init__()
+        self.owner, self.gm, self.same, self.frontier = owner, gm, same, frontier
+        self.ran = 0  # nodes computed by the last call (for tests)
+
+    def forward(self, *args, **kwargs):
+        kept = self.owner.values(args, kwargs)
+        self.ran = 0
+        run = torch.fx.Interpreter(self.gm, garbage_collect_values=False)
+        for n in self.gm.graph.nodes:
+            if n.name in self.same:
+                if n.name in self.frontier:
+                    run.env[n] = kept[n.name]
+            elif n.op == "output":
+                out = torch.fx.node.map_arg(n.args[0], lambda a: run.env[a])
+                return self.gm.graph._codegen.process_outputs(out)
+            else:
+                run.env[n] = run.run_node(n)
+                self.ran += 1
+        raise AssertionError("graph without an output node")
