@@ -367,7 +367,8 @@ def float_baseline(floats: dict) -> tuple[str, float] | None:
 
 def speed_verdict(trials: Sequence[Trial], chosen: int, floats: dict, noise: float = SPEED_MARGIN) -> str | None:
     """One line when the chosen recipe is slower than the float model compiled in bf16 (fp32 where
-    BF16 is not native), naming the best alternative; None when it is faster (or not timed).
+    BF16 is not native), or within ``noise`` of it (no speed-up either), naming the best alternative;
+    None when it is measurably faster (or not timed).
 
     The alternative is the most accurate candidate faster than the float model, if any (say
     which target it misses), else the float model itself."""
@@ -376,8 +377,12 @@ def speed_verdict(trials: Sequence[Trial], chosen: int, floats: dict, noise: flo
     if base is None or w.latency_ms is None:
         return None
     label, ms = base
-    if w.latency_ms <= ms * (1 + noise):
-        return None
+    if w.latency_ms <= ms * (1 - noise):
+        return None  # measurably faster than the float model: a real speed-up
+    # within the noise margin of the float model is no speed-up either: say so rather than print "1.0x"
+    slower = (f"is slower than the float model compiled in {label} ({ms:.1f} ms)" if w.latency_ms > ms * (1 + noise)
+              else f"is no faster than the float model compiled in {label} ({ms:.1f} ms, within the "
+                   f"{100 * noise:.0f}% noise margin)")
     quicker = [t for t in trials if t.score is not None and t.latency_ms is not None and t.latency_ms < ms
                and t is not w]
     if quicker:
@@ -387,8 +392,7 @@ def speed_verdict(trials: Sequence[Trial], chosen: int, floats: dict, noise: flo
         hint = f"for speed, {other}, or the float model compiled in {label}"
     else:
         hint = f"for speed, run the float model compiled in {label}; no candidate is faster"
-    return (f"the chosen recipe {w.recipe} ({w.latency_ms:.1f} ms) is slower than the float model compiled in "
-            f"{label} ({ms:.1f} ms); {hint}")
+    return f"the chosen recipe {w.recipe} ({w.latency_ms:.1f} ms) {slower}; {hint}"
 
 
 def fallback_search(variants, evaluator, budget: float, *, rank_evaluator=None, progress: bool = False,
