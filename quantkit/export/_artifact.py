@@ -5,7 +5,10 @@ dequantize ops); it loads with ``torch.export.load`` once ``quantkit`` is import
 (which registers the ``quantized_decomposed`` ops). ``quantization.json`` records the
 recipe, the qparams, the SHA-256 of ``model.pt2`` and, for a model quantized from a scheme
 (``quantkit.quantize(scheme=...)``, ``quantkit quantize``), its ``SchemeConfig.to_dict()`` as
-``"config"``, which :func:`load` rebuilds into ``meta["quantkit_config"]``.
+``"config"``, which :func:`load` rebuilds into ``meta["quantkit_config"]``. A causal LM captured
+with a static KV cache (``capture(..., max_cache_len=N)``) records ``"max_cache_len"`` and its
+``"kv_cache"`` description; :func:`load` puts that back into ``meta["quantkit_kv_cache"]``. Its
+cache buffers are non-persistent buffers of the program, mutated in place by each call.
 
 :func:`load` reads ``model.pt2`` without unpickling or running code from it
 (``quantkit.export._safe_pt2``) and checks it against that SHA-256. Directories are written
@@ -32,6 +35,7 @@ import torch.utils._pytree as pytree
 
 from . import _atomic, _safe_pt2
 from ..pipeline._capture import CAPTURE_META_KEY
+from ..pipeline._kv_capture import KV_CACHE_META_KEY, install_length_check, kv_cache_info, resolve_buffers
 from .._graph import QPARAMS_META_KEY
 from .._errors import QuantkitError
 from ..quantizers._scheme import CONFIG_META_KEY, SchemeConfig, SchemeError
@@ -222,6 +226,9 @@ def recipe_document(converted: torch.nn.Module, *, recipe: dict | None = None,
     capture = converted.meta.get(CAPTURE_META_KEY) or {}
     config = config if config is not None else converted.meta.get(CONFIG_META_KEY)
     extra = {} if config is None else {"config": config.to_dict()}
+    kv = kv_cache_info(converted)
+    if kv is not None:  # a generating program: its cache, for load to describe again
+        extra.update(max_cache_len=kv["max_cache_len"], kv_cache=kv)
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -565,4 +572,8 @@ def load(path: str | os.PathLike, *, allow_unverified: bool = False) -> torch.nn
     module.meta[PROGRAM_META_KEY] = program
     module.meta[RECIPE_META_KEY] = doc
     module.meta[CONFIG_META_KEY] = config
+    kv = doc.get("kv_cache") if isinstance(doc, dict) else None
+    if isinstance(kv, dict):
+        module.meta[KV_CACHE_META_KEY] = resolve_buffers(kv, module)
+        install_length_check(module)
     return module

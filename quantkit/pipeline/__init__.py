@@ -6,8 +6,14 @@ by ``quantkit`` itself (``quantkit.quantize``, ``prepare``, ``calibrate``, ``con
 
 The calibration seam is public here: :func:`register_calibration_hook` (``before_pass``,
 ``after_block``, ``after_pass``; see ``_hooks``), through which GPTQ and AWQ join ``calibrate``.
+
+Causal LMs captured for generation (``capture(..., max_cache_len=N)``, ``_kv_capture``) hold a static
+KV cache (``_kv_cache``) as buffers; :func:`kv_cache_info` describes it, :class:`KVCacheError` is a
+call that does not fit it.
 """
 
 from ._hooks import WHEN, BlockRun, CalibrationRun, calibration_hooks, register_calibration_hook
+from ._kv_capture import KVCacheError, kv_cache_info
 
-__all__ = ["WHEN", "BlockRun", "CalibrationRun", "calibration_hooks", "register_calibration_hook"]
+__all__ = ["WHEN", "BlockRun", "CalibrationRun", "calibration_hooks", "register_calibration_hook", "KVCacheError",
+           "kv_cache_info"]

@@ -10,6 +10,7 @@ from torch.export import Dim
 
 from .._errors import CaptureError
 from ._inputs import as_args_kwargs
+from ._kv_capture import capture_with_cache
 
 __all__ = ["capture"]
 
@@ -89,7 +90,8 @@ def _without_kv_cache(model: torch.nn.Module, kwargs: dict):
         config.use_cache = True
 
 
-def capture(model: torch.nn.Module, example_inputs: Any, *, dynamic_shapes=None) -> torch.fx.GraphModule:
+def capture(model: torch.nn.Module, example_inputs: Any, *, dynamic_shapes=None, max_cache_len: int | None = None,
+            kv_cache: str | None = None, kv_scales=None) -> torch.fx.GraphModule:
     """Export ``model`` (in eval mode) with torch.export, non-strict.
 
     Args:
@@ -102,17 +104,43 @@ def capture(model: torch.nn.Module, example_inputs: Any, *, dynamic_shapes=None)
     HF models with ``config.use_cache`` (causal LMs) are traced without their KV cache
     (the config is restored afterwards), unless ``use_cache`` is one of the inputs.
 
+    With ``max_cache_len=N`` (opt-in, for generation) an HF causal LM is captured with a static
+    KV cache instead (``quantkit.pipeline._kv_capture``): the program is
+    ``gm(input_ids, cache_position) -> logits``, the sequence length is dynamic (1..N) so one
+    program serves prefill and decode, the batch is the example's, the cache is buffers of
+    ``gm`` updated in place, and ``gm.meta["quantkit_kv_cache"]`` describes it.
+
+    Args (with ``max_cache_len`` only):
+        max_cache_len: positions the cache holds (prompt + generated tokens).
+        kv_cache: ``None`` (a cache in the model's dtype), ``"int8"``, ``"fp8_e4m3"`` or ``"fp8_e5m2"``.
+        kv_scales: the ``KVScales`` a quantized cache stores with
+            (``quantkit.pipeline._kv_cache.calibrate_kv_scales``).
+
     Returns:
         The exported ``torch.fx.GraphModule``, ready for :func:`quantkit.prepare`.
 
     Raises:
-        CaptureError: if torch.export fails; the message summarises why, with a hint.
+        CaptureError: if torch.export fails; the message summarises why, with a hint. With
+            ``max_cache_len``, also for a model without a causal LM head, a ``max_cache_len``
+            outside ``1..config.max_position_embeddings`` or an example longer than it.
 
     Example:
         >>> gm = quantkit.capture(model, (torch.randn(8, 16),))
+        >>> lm = quantkit.capture(llm, tokenizer("Hello", return_tensors="pt"), max_cache_len=256)
+        >>> logits = lm(input_ids, torch.arange(input_ids.shape[1]))   # prefill, then one token at a time
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"capture expects a torch.nn.Module, got {type(model).__name__}")
+    if max_cache_len is not None:
+        if dynamic_shapes is not None:
+            raise CaptureError("dynamic_shapes cannot be combined with max_cache_len: the sequence length is "
+                               "dynamic (1..max_cache_len) and the batch is fixed to the example's")
+        gm, record = capture_with_cache(model, example_inputs, max_cache_len=max_cache_len,
+                                        kv_cache=kv_cache, kv_scales=kv_scales)
+        gm.meta[CAPTURE_META_KEY] = record
+        return gm
+    if kv_cache is not None or kv_scales is not None:
+        raise CaptureError("kv_cache and kv_scales need max_cache_len=N (a program with a static KV cache)")
     model.eval()
     args, kwargs = as_args_kwargs(example_inputs)
     user_shapes = dynamic_shapes is not None
