@@ -13,6 +13,11 @@ The stages it runs, each usable alone::
     qmodel = quantkit.convert(prepared)                   # -> GraphModule with q/dq ops and int8 weights
     fast = quantkit.compile(qmodel)                       # -> compiled module (int8/int4/FP8 kernels)
 
+Causal LMs generate text from a program captured with a static KV cache::
+
+    lm = quantkit.capture(llm, input_ids, max_cache_len=256)   # lm(input_ids, cache_position) -> logits
+    out = quantkit.generate(lm, input_ids, max_new_tokens=32)  # prefill once, then one token per call
+
 ``quantkit.save(qmodel, dir)`` writes a deployable directory (model.pt2 + quantization.json,
 which records the scheme's config); ``quantkit.load(dir)`` returns the model as a module whose
 ``meta["quantkit_config"]`` is that config. ``quantkit.quantize_pretrained(path, calib)`` quantizes
@@ -37,6 +42,7 @@ from .pipeline._calibrate import calibrate
 from .pipeline._distributed import shard
 from .pipeline._capture import capture
 from .lowering._compile import compile
+from .generation import generate
 from .pipeline._convert import convert
 from ._errors import CalibrationError, CaptureError, ConvertError, QuantkitError
 from .pipeline._prepare import prepare
@@ -58,6 +64,7 @@ __all__ = [
     "shard",
     "convert",
     "compile",
+    "generate",
     "quantize",
     "quantize_pretrained",
     "save",

@@ -7,7 +7,7 @@ functions included (they must not be a way around a cycle). The layers, top to b
     cli                              (may use the façade, like any user)
     quantkit (the public façade), debug, metrics
     sequential                       block-by-block quantization: uses pipeline, accuracy, export
-    accuracy | export                peers: neither imports the other
+    accuracy | export | generation   peers: none imports another
     lowering
     pipeline
     quantizers
@@ -35,7 +35,7 @@ LAYERS = {
     "cli": 9,
     "<facade>": 8, "debug": 8, "metrics": 8,
     "sequential": 7,
-    "accuracy": 6, "export": 6,
+    "accuracy": 6, "export": 6, "generation": 6,
     "lowering": 5,
     "pipeline": 4,
     "quantizers": 3,
@@ -44,7 +44,8 @@ LAYERS = {
     "_qmath": 0, "_graph": 0, "_qdq": 0, "_errors": 0, "_text": 0, "_fsutil": 0, "_quiet": 0, "_sizing": 0,
     "_hf": 0, "calibration_data": 0,
 }
-PEERS_APART = {frozenset({"accuracy", "export"})}
+PEERS_APART = {frozenset({"accuracy", "export"}), frozenset({"generation", "accuracy"}),
+               frozenset({"generation", "export"})}
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:

@@ -1,4 +1,5 @@
-"""The ``quantkit`` command line: quantize a checkpoint into an int8 directory, inspect it, evaluate it.
+"""The ``quantkit`` command line: quantize a checkpoint into an int8 directory, inspect it, evaluate it,
+generate text with it.
 
 Exit codes: 0 ok, 1 failed (bad input files, a model that cannot be captured, ...),
 2 bad usage (unknown options or observer names, an existing --out without --force).
@@ -52,7 +53,7 @@ _TASKS = ("auto", "feature-extraction", "sequence-classification", "token-classi
 def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
     parser = _Parser(prog="quantkit", description="int8 post-training quantization for PyTorch checkpoints")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = parser.add_subparsers(dest="command", metavar="{quantize,inspect,eval}")
+    sub = parser.add_subparsers(dest="command", metavar="{quantize,inspect,eval,generate}")
 
     q = sub.add_parser("quantize", help="quantize a checkpoint into an int8 artifact directory",
                        description="Quantize MODEL to int8 and write DIR: model.pt2, quantization.json, "
@@ -180,6 +181,27 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
     e.add_argument("--allow-unverified", action="store_true", help=_UNVERIFIED_HELP)
     e.add_argument("--json", action="store_true", help="print the results as JSON")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    g = sub.add_parser("generate", help="generate text with a causal LM (artifact or HF folder), streaming tokens",
+                       description="Continue --prompt with the causal LM in DIR, printing tokens as they come, "
+                                   "then prefill and decode tokens/s on stderr. DIR is a quantkit artifact captured "
+                                   "with a KV cache (its tokenizer in DIR/tokenizer or DIR) or an HF causal-LM "
+                                   "folder (run in float, captured here with a static KV cache).")
+    g.add_argument("dir", metavar="DIR")
+    g.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    g.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="generate at most N tokens (default 32)")
+    g.add_argument("--max-cache-len", type=int, metavar="N",
+                   help="HF folders: KV-cache positions to capture (default: the prompt's tokens + N new tokens); "
+                        "an artifact keeps the length it was captured with")
+    g.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="run the program as it is instead of compiling it first (compiling takes a while once)")
+    smp = g.add_argument_group("sampling (default: greedy)")
+    smp.add_argument("--sample", action="store_true", help="sample the next token instead of taking the most likely")
+    smp.add_argument("--temperature", type=float, default=1.0, metavar="T", help="with --sample: divide logits by T")
+    smp.add_argument("--top-k", type=int, metavar="K", help="with --sample: keep the K most likely tokens")
+    smp.add_argument("--top-p", type=float, metavar="P", help="with --sample: keep the nucleus of probability P")
+    smp.add_argument("--seed", type=int, default=0, metavar="S", help="with --sample: the random seed (default 0)")
+    g.add_argument("--allow-unverified", action="store_true", help=_UNVERIFIED_HELP)
     return parser
 
 
@@ -248,8 +270,12 @@ def _private_inductor_cache() -> None:
 
 
 def _run(args) -> int:
-    if args.command in ("quantize", "eval"):  # the commands that compile
+    if args.command in ("quantize", "eval", "generate"):  # the commands that compile
         _private_inductor_cache()
+    if args.command == "generate":
+        from ._generate import run_generate
+
+        return run_generate(args, print, _stderr_line)
     if args.command == "quantize":
         from ._quantize import run_quantize
         from ._torchrun import torchrun_group

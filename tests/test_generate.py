@@ -1,0 +1,274 @@
+"""quantkit.generate and ``quantkit generate``: the decode loop over a static-KV-cache program.
+
+References are independent of the code under test: transformers' own ``generate`` (greedy, eos),
+plain Python loops for the top-k / top-p filters, and Dynamo's own compile counter for recompiles.
+The main model is a tiny random Llama (2 layers, GQA 4/2, rotary) captured once per module.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+import quantkit
+from quantkit.cli._main import main
+from quantkit.generation import GenerationError, clear_compiled, top_k_filter, top_p_filter
+from quantkit.pipeline._kv_capture import KVCacheError
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, MAX_LEN, BATCH = 96, 32, 2
+
+
+def _tiny_llama(seed: int = 0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                      max_position_embeddings=128, bos_token_id=None, eos_token_id=None,
+                                      pad_token_id=None)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def program(llama):
+    example = torch.randint(0, VOCAB, (BATCH, 4), generator=torch.Generator().manual_seed(1))
+    return quantkit.capture(llama, example, max_cache_len=MAX_LEN)
+
+
+def _prompt(length: int, seed: int = 2) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _hf_greedy(model, ids, n, **kw):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, **kw)
+
+
+@pytest.mark.parametrize("length", [5, 3, 1])
+def test_greedy_equals_transformers(llama, program, length):
+    """Token for token, for several prompt lengths on the same program (its cache is reused
+    without a reset: stale slots past the position must not matter)."""
+    ids = _prompt(length)
+    out = quantkit.generate(program, ids, max_new_tokens=10, compile=False)
+    ref = _hf_greedy(llama, ids, 10)
+    assert out.shape == (BATCH, length + 10)
+    assert torch.equal(out, ref), f"quantkit {out.tolist()} vs transformers {ref.tolist()}"
+
+
+def test_compiled_once_no_recompiles(llama, program, monkeypatch):
+    """compile=True compiles once per program: the dynamic prefill graph and the length-1 decode
+    graph, then no recompile per token, for another prompt length, or on a second call.
+    Dynamo's guards do not depend on the backend, so a recording backend stands in for Inductor;
+    it counts the graphs that run the model (those with its matmuls: the cache's length-check hook
+    is a frame of its own)."""
+    torch._dynamo.reset()
+    clear_compiled()
+    model_graphs, calls = [], []
+    real = torch.compile
+
+    def recording_backend(gm, example_inputs):
+        if any(n.op == "call_function" and "linear" in str(n.target) for n in gm.graph.nodes):
+            model_graphs.append(gm)
+        return gm.forward
+
+    def recording_compile(model, **kwargs):
+        calls.append(model)
+        return real(model, backend=recording_backend)
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    try:
+        for length in (6, 4, 9, 1):
+            ids = _prompt(length, seed=length)
+            out = quantkit.generate(program, ids, max_new_tokens=8)
+            assert torch.equal(out, _hf_greedy(llama, ids, 8)), f"prompt of {length}"
+            assert len(model_graphs) == 2, f"{len(model_graphs)} model graphs after a prompt of {length}"
+        assert calls == [program]  # compiled once, reused by the later calls
+    finally:
+        clear_compiled()
+        torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_greedy_compiled_with_inductor_equals_transformers(llama, program):
+    """The real compile path (Inductor, ~2 min on 2 loaded cores for this tiny model: slow)."""
+    clear_compiled()
+    try:
+        ids = _prompt(5)
+        assert torch.equal(quantkit.generate(program, ids, max_new_tokens=8), _hf_greedy(llama, ids, 8))
+    finally:
+        clear_compiled()
+
+
+def test_eos_stops_a_row(llama, program):
+    """A row that emits eos is padded with it (transformers' default pad) and the loop stops once
+    every row has; compared with transformers' generate given the same eos."""
+    ids = _prompt(5)
+    free = _hf_greedy(llama, ids, 12)
+    eos = int(free[0, 5 + 2])  # row 0 emits it as its third new token
+    out = quantkit.generate(program, ids, max_new_tokens=12, eos_token_id=eos, compile=False)
+    ref = _hf_greedy(llama, ids, 12, eos_token_id=eos, pad_token_id=eos)
+    assert torch.equal(out, ref), f"quantkit {out.tolist()} vs transformers {ref.tolist()}"
+    assert (out[0, 5 + 2:] == eos).all()  # stopped and padded
+    # a list of ids: either one ends a row
+    other = int(free[1, 5 + 1])
+    out2 = quantkit.generate(program, ids, max_new_tokens=12, eos_token_id=[eos, other], compile=False)
+    ref2 = _hf_greedy(llama, ids, 12, eos_token_id=[eos, other], pad_token_id=eos)
+    assert torch.equal(out2, ref2)
+    assert out2.shape[1] <= 5 + 3
+
+
+def test_sampling_is_reproducible_and_top_k_1_is_greedy(program):
+    ids = _prompt(4)
+
+    def sample(seed, **kw):
+        g = torch.Generator().manual_seed(seed)
+        return quantkit.generate(program, ids, max_new_tokens=12, do_sample=True, generator=g, compile=False, **kw)
+
+    a, b = sample(7, temperature=0.8, top_p=0.9), sample(7, temperature=0.8, top_p=0.9)
+    assert torch.equal(a, b)
+    assert not torch.equal(sample(7), sample(8))  # 24 draws from a near-uniform vocabulary of 96
+    greedy = quantkit.generate(program, ids, max_new_tokens=12, compile=False)
+    assert torch.equal(sample(3, top_k=1, temperature=0.5), greedy)
+
+
+def test_top_p_filter_equals_a_plain_nucleus():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 40) * 3
+    for p in (0.05, 0.3, 0.75, 0.95):
+        got = torch.isfinite(top_p_filter(logits, p))
+        for row in range(logits.shape[0]):
+            probs = torch.softmax(logits[row].double(), -1).tolist()
+            order = sorted(range(len(probs)), key=lambda i: -probs[i])
+            keep, total = set(), 0.0
+            for i in order:  # most likely first, until the kept mass reaches p
+                keep.add(i)
+                total += probs[i]
+                if total >= p:
+                    break
+            assert set(torch.nonzero(got[row]).flatten().tolist()) == keep, f"p={p} row {row}"
+
+
+def test_top_k_filter_keeps_the_k_largest():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 20)
+    got = torch.isfinite(top_k_filter(logits, 4))
+    for row in range(3):
+        vals = logits[row].tolist()
+        assert set(torch.nonzero(got[row]).flatten().tolist()) == set(sorted(range(20), key=lambda i: -vals[i])[:4])
+
+
+def test_too_long_prompt_and_wrong_batch_are_one_line_errors(program):
+    with pytest.raises(KVCacheError, match=r"33 tokens, more than the program's max_cache_len=32") as exc:
+        quantkit.generate(program, _prompt(MAX_LEN + 1), max_new_tokens=1, compile=False)
+    assert "\n" not in str(exc.value) and "capture with max_cache_len >= 33" in str(exc.value)
+    with pytest.raises(KVCacheError, match=r"needs 37 cache positions.*max_cache_len=32; lower max_new_tokens to "
+                                           r"at most 3 or capture with max_cache_len >= 37"):
+        quantkit.generate(program, _prompt(30), max_new_tokens=8, compile=False)
+    # exactly full: 30 + 3 - 1 = 32 positions
+    assert quantkit.generate(program, _prompt(30), max_new_tokens=3, compile=False).shape == (BATCH, 33)
+    with pytest.raises(KVCacheError, match="batch of 2, got input_ids of batch 1"):
+        quantkit.generate(program, _prompt(4)[:1], max_new_tokens=2, compile=False)
+
+
+def test_bad_arguments_are_one_line_errors(llama, program):
+    ids = _prompt(4)
+    with pytest.raises(GenerationError, match="capture it first: quantkit.capture"):
+        quantkit.generate(llama, ids)
+    with pytest.raises(GenerationError, match="temperature must be a finite number > 0"):
+        quantkit.generate(program, ids, do_sample=True, temperature=0.0)
+    with pytest.raises(GenerationError, match="top_p must be in"):
+        quantkit.generate(program, ids, do_sample=True, top_p=1.5)
+    with pytest.raises(GenerationError, match=r"input_ids must be token ids \[batch, length\]"):
+        quantkit.generate(program, ids[0])
+    with pytest.raises(GenerationError, match="eos_token_id must be"):
+        quantkit.generate(program, ids, eos_token_id="</s>")
+
+
+def test_streamer_gets_prompt_then_each_token(program):
+    seen = []
+
+    class Recorder:
+        def put(self, value):
+            seen.append(value.clone())
+
+        def end(self):
+            seen.append("end")
+
+    ids = _prompt(3)
+    out = quantkit.generate(program, ids, max_new_tokens=4, compile=False, streamer=Recorder())
+    assert torch.equal(seen[0], ids) and seen[-1] == "end" and len(seen) == 6
+    assert torch.equal(torch.stack(seen[1:5], dim=1), out[:, 3:])
+
+
+# --- the CLI ---------------------------------------------------------------------------------
+
+def _word_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A tiny Llama checkpoint with a word-level tokenizer, and the same without one."""
+    model = _tiny_llama(seed=3)
+    root = tmp_path_factory.mktemp("gen")
+    with_tok, without = root / "llama", root / "llama-no-tok"
+    model.save_pretrained(with_tok)
+    model.save_pretrained(without)
+    _word_tokenizer().save_pretrained(with_tok)
+    return with_tok, without
+
+
+def test_cli_generate_streams_text_and_prints_speed(hf_dir, capsys):
+    folder, _ = hf_dir
+    prompt = "w5 w17 w3 w40"
+    code = main(["generate", str(folder), "--prompt", prompt, "--max-new-tokens", "6", "--no-compile"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    ref = _hf_greedy(model, ids, 6)
+    expected = tok.decode(ref[0, ids.shape[1]:])
+    assert len(expected.split()) == 6
+    assert expected in out, f"stdout {out!r} lacks {expected!r}"
+    assert "prefill" in err and "decode" in err and "tokens/s" in err
+
+
+def test_cli_generate_without_tokenizer_is_one_line(hf_dir, capsys):
+    _, folder = hf_dir
+    code = main(["generate", str(folder), "--prompt", "w1 w2", "--no-compile"])
+    _, err = capsys.readouterr()
+    assert code == 1
+    assert err.startswith("quantkit: error: no tokenizer in") and err.count("\n") == 1
+
+
+def test_cli_generate_prompt_too_long_is_one_line(hf_dir, capsys):
+    folder, _ = hf_dir
+    code = main(["generate", str(folder), "--prompt", "w1 w2 w3 w4 w5", "--max-new-tokens", "4",
+                 "--max-cache-len", "6", "--no-compile"])
+    _, err = capsys.readouterr()
+    assert code == 1 and err.count("\n") == 1
+    assert "max_cache_len=6" in err and "--max-cache-len" in err
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_equals_transformers(smollm2_dir):
+    """The real model: 16 greedy tokens of SmolLM2-135M (float) equal transformers' generate."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2_dir)
+    ids = tok("The Lord is my shepherd;", return_tensors="pt").input_ids
+    lm = quantkit.capture(model, ids, max_cache_len=64)
+    out = quantkit.generate(lm, ids, max_new_tokens=16, compile=False)
+    ref = _hf_greedy(model, ids, 16, eos_token_id=None)
+    assert torch.equal(out, ref), f"{tok.decode(out[0])!r} vs {tok.decode(ref[0])!r}"
