@@ -194,3 +194,26 @@ def test_errors(llm, program, tokens):
         program(tokens[:1, :3], torch.arange(3))
     for err in (CaptureError, KVCacheError):
         assert issubclass(err, ValueError)
+
+
+def test_quantized_cache_save_load(llm, tokens, tmp_path):
+    """An int8 per-head cache (helper module _kv_cache) is stored int8 with its scales as buffers,
+    and its artifact decodes bit for bit as the program it was saved from."""
+    from quantkit.pipeline._kv_cache import calibrate_kv_scales
+
+    g = torch.Generator().manual_seed(3)
+    scales = calibrate_kv_scales(llm, [torch.randint(0, VOCAB, (B, N), generator=g)], kv_cache="int8",
+                                 granularity="per-head")
+    gm = quantkit.capture(llm, tokens[:, :5], max_cache_len=N, kv_cache="int8", kv_scales=scales)
+    prepared = quantkit.prepare(gm, _scheme("w4a16").quantizer())
+    quantkit.calibrate(prepared, [(tokens, torch.arange(N))], progress=False)
+    qgm = quantkit.convert(prepared)
+    expected = prefill_then_decode(qgm, tokens[:, :8], prompt=5)
+    quantkit.save(qgm, tmp_path / "lm")
+    loaded = quantkit.load(tmp_path / "lm")
+    info = kv_cache_info(loaded)
+    assert (info["format"], info["granularity"]) == ("int8", "per-head")
+    buffers = dict(loaded.named_buffers())
+    stores = [buffers[n] for n in info["buffers"] if n.endswith(("_keys", "_values"))]
+    assert len(stores) == 2 * llm.config.num_hidden_layers and all(t.dtype == torch.int8 for t in stores)
+    torch.testing.assert_close(prefill_then_decode(loaded, tokens[:, :8], prompt=5), expected, atol=0, rtol=0)

@@ -9,11 +9,13 @@ The calibration seam is public here: :func:`register_calibration_hook` (``before
 
 Causal LMs captured for generation (``capture(..., max_cache_len=N)``, ``_kv_capture``) hold a static
 KV cache (``_kv_cache``) as buffers; :func:`kv_cache_info` describes it, :class:`KVCacheError` is a
-call that does not fit it.
+call that does not fit it, :func:`calibrate_kv_scales` measures the scales of an int8/FP8 cache
+(:class:`KVScales`) and :func:`cache_bytes` counts a program's cache.
 """
 
 from ._hooks import WHEN, BlockRun, CalibrationRun, calibration_hooks, register_calibration_hook
+from ._kv_cache import KVScales, cache_bytes, calibrate_kv_scales
 from ._kv_capture import KVCacheError, kv_cache_info
 
 __all__ = ["WHEN", "BlockRun", "CalibrationRun", "calibration_hooks", "register_calibration_hook", "KVCacheError",
-           "kv_cache_info"]
+           "kv_cache_info", "KVScales", "cache_bytes", "calibrate_kv_scales"]
