@@ -18,7 +18,8 @@ import torch
 from ._errors import QuantkitError
 from .accuracy._metrics import METRICS, embedding_cosine, logits_kl, resolve_metric, top1_agreement
 
-__all__ = ["embedding_cosine", "logits_kl", "top1_agreement", "METRICS", "resolve_metric", "perplexity"]
+__all__ = ["embedding_cosine", "logits_kl", "top1_agreement", "METRICS", "resolve_metric", "perplexity",
+           "resolve_window", "DEFAULT_WINDOW"]
 
 # gm.meta key of a program captured with max_cache_len (quantkit.pipeline._kv_capture.KV_CACHE_META_KEY)
 _KV_META = "quantkit_kv_cache"
@@ -76,12 +77,29 @@ def _logits(out, what: str) -> torch.Tensor:
     return out
 
 
+def _keyword_inputs(program) -> list[str]:
+    """The keyword inputs an exported program was captured with (its input tree spec), else []."""
+    spec = getattr(program, "_in_spec", None)
+    try:
+        kwargs = spec.children_specs[1]
+        return list(kwargs.context) if kwargs.type is dict else []
+    except (AttributeError, IndexError, TypeError):
+        return []
+
+
 def _runner(model):
     """``run(ids [B, L]) -> logits [B, L, V]`` for an HF causal LM, a full-sequence program or a KV
     program (called with ``cache_position = arange(L)``: each window is a fresh sequence)."""
     info = _kv_info(model)
     if info is not None:
         return lambda ids: model(ids, torch.arange(ids.shape[1], device=ids.device)), info
+    names = _keyword_inputs(model)
+    if names:  # a program captured from keyword inputs (quantkit quantize's: input_ids, attention_mask)
+        if "input_ids" not in names or not set(names) <= {"input_ids", "attention_mask"}:
+            raise QuantkitError(f"this program takes the inputs {names}; perplexity feeds input_ids (and an "
+                                "all-ones attention_mask) only: capture the causal LM from its input_ids")
+        mask = "attention_mask" in names
+        return lambda ids: model(input_ids=ids, **({"attention_mask": torch.ones_like(ids)} if mask else {})), None
     if getattr(model, "config", None) is not None:  # an HF model: no KV cache for a scored window
         params = inspect.signature(model.forward).parameters
         if "use_cache" in params:
@@ -90,7 +108,19 @@ def _runner(model):
     return lambda ids: model(ids), None
 
 
-def perplexity(model_or_program: Any, token_ids: torch.Tensor | Sequence[int], *, window: int = 256,
+DEFAULT_WINDOW = 256
+
+
+def resolve_window(model_or_program: Any) -> int:
+    """The window :func:`perplexity` uses with ``window=None``: the sequence length a full-sequence
+    program was captured with, else 256 tokens, at most a KV program's ``max_cache_len``."""
+    info = _kv_info(model_or_program)
+    if info is not None:
+        return min(DEFAULT_WINDOW, int(info["max_cache_len"]))
+    return _fixed_length(model_or_program) or DEFAULT_WINDOW
+
+
+def perplexity(model_or_program: Any, token_ids: torch.Tensor | Sequence[int], *, window: int | None = DEFAULT_WINDOW,
                stride: int | None = None, batch_size: int = 1) -> float:
     """Perplexity of a causal LM on a token stream: exp of the mean next-token negative log-likelihood.
 
@@ -107,7 +137,8 @@ def perplexity(model_or_program: Any, token_ids: torch.Tensor | Sequence[int], *
             ``cache_position = arange(L)`` per window; ``window`` must fit its cache, and the
             batch is its cache's).
         token_ids: ``[N]`` or ``[1, N]`` token ids, ``N >= 2`` (the text concatenated).
-        window: tokens per forward (context + scored), ``>= 2``.
+        window: tokens per forward (context + scored), ``>= 2``. ``None``: the length a full-sequence
+            program was captured with, else 256 (at most a KV program's ``max_cache_len``).
         stride: tokens between window starts, ``1..window``; ``None`` means ``window`` (disjoint).
             A smaller stride gives each scored token more context, at ``window / stride`` times the work.
         batch_size: windows per forward (a KV program uses its own cache's batch).
@@ -123,6 +154,9 @@ def perplexity(model_or_program: Any, token_ids: torch.Tensor | Sequence[int], *
         >>> ids = tokenizer(text, return_tensors="pt").input_ids
         >>> quantkit.metrics.perplexity(model, ids, window=256)
     """
+    run, info = _runner(model_or_program)
+    fixed = _fixed_length(model_or_program)
+    window = resolve_window(model_or_program) if window is None else window
     for name, v in (("window", window), ("batch_size", batch_size)) + ((("stride", stride),) if stride is not None else ()):
         if isinstance(v, bool) or not isinstance(v, int):
             raise QuantkitError(f"perplexity's {name} must be an int, got {type(v).__name__}")
@@ -134,14 +168,12 @@ def perplexity(model_or_program: Any, token_ids: torch.Tensor | Sequence[int], *
     if batch_size < 1:
         raise QuantkitError(f"perplexity's batch_size must be at least 1, got {batch_size}")
     ids = _token_stream(token_ids)
-    run, info = _runner(model_or_program)
     if info is not None:
         if window > info["max_cache_len"]:
             raise QuantkitError(f"window={window} does not fit the program's KV cache of max_cache_len="
                                 f"{info['max_cache_len']}; pass window <= {info['max_cache_len']}")
         batch_size = int(info["batch_size"])
     ids = ids.to(_device(model_or_program))
-    fixed = _fixed_length(model_or_program)
     if fixed is not None and fixed != window:
         raise QuantkitError(f"this program takes exactly {fixed} tokens per sequence (the length it was captured "
                             f"with); pass window={fixed}, or capture with max_cache_len for any length")

@@ -181,3 +181,137 @@ def test_smollm2_on_heldout_web_text(smollm2_dir, web_text):
     noise = perplexity(random_lm, ids, window=256)
     assert 0.5 * model.config.vocab_size < noise < 2 * model.config.vocab_size, noise
     assert ppl < noise / 500, (ppl, noise)
+
+
+# --- quantkit eval DIR --data FILE.txt of a causal LM ----------------------------------------
+
+def _one_error_line(stderr: str) -> str:
+    lines = [ln.split("\r")[-1] for ln in stderr.split("\n") if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, lines
+    return lines[0]
+
+
+class _KVCalls(torch.nn.Module):
+    """A KV program called as the references call a model: model(ids).logits, a fresh sequence each time."""
+
+    def __init__(self, program):
+        super().__init__()
+        self.program = program
+
+    def forward(self, ids):
+        return type("Out", (), {"logits": self.program(ids, torch.arange(ids.shape[1]))})
+
+
+@pytest.fixture(scope="module")
+def lm_artifacts(tmp_path_factory):
+    """A tiny Llama folder with MiniLM's tokenizer (vocab 30522), its w8a8 KV-cache program and its
+    w8a8 full-sequence program (both saved from Python), and a held-out text file."""
+    import shutil
+
+    from quantkit import _hf
+
+    root = tmp_path_factory.mktemp("lm")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=64, vocab_size=30522, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(str(root / "llama"))
+    for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(_hf.default_model_path() / f, root / "llama" / f)
+    g = torch.Generator().manual_seed(2)
+    calib = [torch.randint(0, 30522, (1, 16), generator=g) for _ in range(3)]
+    kv = quantkit.capture(model, (calib[0],), max_cache_len=64)
+    quantkit.save(quantkit.quantize(kv, (calib[0],), [(c, torch.arange(16)) for c in calib], scheme="w8a8"),
+                  str(root / "kv"))
+    full = quantkit.capture(model, (calib[0],))
+    quantkit.save(quantkit.quantize(full, (calib[0],), [(c,) for c in calib], scheme="w8a8"), str(root / "full"))
+    text = root / "held.txt"
+    text.write_text("In the beginning God created the heavens and the earth. The earth was formless and empty. " * 12)
+    return root, model
+
+
+def _ids(root, max_tokens):
+    tok = transformers.AutoTokenizer.from_pretrained(str(root / "llama"))
+    return tok((root / "held.txt").read_text(), return_tensors="pt").input_ids[:, :max_tokens]
+
+
+def test_eval_kv_artifact(lm_artifacts, capsys):
+    import json
+
+    from quantkit.cli import main
+
+    root, model = lm_artifacts
+    args = ["eval", str(root / "kv"), "--data", str(root / "held.txt"), "--tokenizer", str(root / "llama"),
+            "--model", str(root / "llama"), "--max-tokens", "150", "--no-compile", "--quiet"]
+    assert main(args + ["--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    ids = _ids(root, 150)
+    assert res["tokens"] == 150 and res["window"] == 64  # 256 does not fit the cache of 64
+    # the program's and the float model's perplexity, each against the float64 reference written above
+    q_ref = _float64_ppl(_KVCalls(quantkit.load(str(root / "kv"))), ids, 64, 64)
+    assert res["perplexity"] == pytest.approx(q_ref, rel=1e-6)
+    assert res["float_perplexity"] == pytest.approx(_float64_ppl(model, ids, 64, 64), rel=1e-6)
+    assert res["perplexity"] != res["float_perplexity"]  # w8a8 moved it
+    d = res["decode"]
+    assert (d["prompt_tokens"], d["new_tokens"], d["batch_size"]) == (32, 32, 1) and d["decode_tokens_per_s"] > 0
+    # the text report: both perplexities and the decode line
+    assert main(args + ["--window", "32", "--stride", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "150 tokens, window 32, stride 16" in out
+    line = next(ln for ln in out.splitlines() if "quantized:" in ln)
+    q = perplexity(quantkit.load(str(root / "kv")), ids, window=32, stride=16)
+    assert f"quantized: {q:.4f}" in line and "float: " in line
+    assert "decode: " in out and " tokens/s, prefill " in out
+
+
+def test_eval_full_sequence_program(lm_artifacts, capsys):
+    from quantkit.cli import main
+
+    root, _ = lm_artifacts
+    assert main(["eval", str(root / "full"), "--data", str(root / "held.txt"), "--tokenizer", str(root / "llama"),
+                 "--max-tokens", "100", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    # the window defaults to the program's own length (captured from a [1, 16] example)
+    assert "100 tokens, window 16, stride 16" in out
+    q = perplexity(quantkit.load(str(root / "full")), _ids(root, 100), window=16)
+    assert f"quantized: {q:.4f}" in out
+    assert "no float model to compare with (the artifact was saved from Python): pass --model DIR" in out
+    assert "decode tokens/s not measured: the program has no KV cache" in out
+
+
+@pytest.mark.parametrize("content,extra,match,code", [
+    (b"", (), "is empty; pass a file of held-out text", 1),
+    (b"  \n\t\n", (), "is empty", 1),
+    (b"text\x00\x01binary", (), r"is binary \(it holds NUL bytes\)", 1),
+    (b"caf\xe9 latin-1", (), r"is not UTF-8 text \(byte 3\)", 1),
+    (None, (), "does not exist; pass a UTF-8 text file", 1),
+    ("dir", (), "is not a file; perplexity is measured on one UTF-8 text file", 1),
+    (b"fine text here", ("--no-tokenizer",), "holds no tokenizer .*pass --tokenizer DIR", 1),
+    (b"fine text here", ("--num", "3"), "--num counts samples; a causal LM's perplexity takes --max-tokens N", 2),
+    (b"fine text here", ("--window", "1"), "--window must be at least 2, got 1", 2),
+    (b"fine text here", ("--window", "8", "--stride", "9"), r"--stride must be at most the window \(8\), got 9", 2),
+    (b"fine text here", ("--window", "65"), "window=65 does not fit the program's KV cache of max_cache_len=64", 1),
+])
+def test_eval_bad_data_and_options(lm_artifacts, tmp_path, capsys, content, extra, match, code):
+    import re
+
+    from quantkit.cli import main
+
+    root, _ = lm_artifacts
+    data = tmp_path / "data.txt"
+    if content == "dir":
+        data.mkdir()
+    elif content is not None:
+        data.write_bytes(content)
+    tok = [] if "--no-tokenizer" in extra else ["--tokenizer", str(root / "llama")]
+    flags = [e for e in extra if e != "--no-tokenizer"]
+    assert main(["eval", str(root / "kv"), "--data", str(data), *tok, *flags, "--no-compile", "--quiet"]) == code
+    assert re.search(match, _one_error_line(capsys.readouterr().err))
+
+
+def test_eval_kv_artifact_needs_data(lm_artifacts, capsys):
+    from quantkit.cli import main
+
+    root, _ = lm_artifacts
+    assert main(["eval", str(root / "kv"), "--tokenizer", str(root / "llama")]) == 2
+    assert "causal LM with a KV cache: pass --data FILE.txt" in _one_error_line(capsys.readouterr().err)

@@ -152,7 +152,8 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
     i.add_argument("dir", metavar="DIR")
     i.add_argument("--allow-unverified", action="store_true", help=_UNVERIFIED_HELP)
 
-    e = sub.add_parser("eval", help="compare an artifact with its float model: metric and latency",
+    e = sub.add_parser("eval", help="compare an artifact with its float model: metric and latency "
+                       "(perplexity and decode tokens/s for a causal LM given --data FILE.txt)",
                        description="Rebuild the float model DIR came from and compare: mean/min cosine "
                                    "(sentence embeddings for encoders, logits or outputs otherwise) and latency, "
                                    "compiled int8 against compiled float by default. eval never imports code an "
@@ -168,6 +169,13 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
     e.add_argument("--data", metavar="PATH",
                    help="evaluate on this text file or tensor directory (default: the held-out split)")
     e.add_argument("--num", type=int, metavar="N", help="evaluate on at most N samples")
+    # a causal LM on a text file: perplexity (quantkit.metrics.perplexity) and decode tokens/s
+    e.add_argument("--tokenizer", metavar="DIR", help="causal LMs: the tokenizer for --data (default: DIR/tokenizer, "
+                   "else the recorded model's)")
+    e.add_argument("--window", type=int, metavar="W", help="causal LMs: perplexity window in tokens (default 256, "
+                   "at most the KV cache's length)")
+    e.add_argument("--stride", type=int, metavar="S", help="causal LMs: tokens between windows (default: the window)")
+    e.add_argument("--max-tokens", type=int, metavar="N", help="causal LMs: score the first N tokens of --data only")
     e.add_argument("--batch-size", type=int, metavar="B", help="batch size (default: as in quantize)")
     e.add_argument("--device", metavar="NAME", help="run on cpu (default), cuda or cuda:N")
     e.add_argument("--skip-nonfinite", action="store_true",
