@@ -235,6 +235,7 @@ def test_cli_generate_streams_text_and_prints_speed(hf_dir, capsys):
     code = main(["generate", str(folder), "--prompt", prompt, "--max-new-tokens", "6", "--no-compile"])
     out, err = capsys.readouterr()
     assert code == 0, err
+    assert "prefill 4 tokens at" in err and "decode 5 tokens at" in err
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     ids = tok(prompt, return_tensors="pt").input_ids
@@ -260,6 +261,36 @@ def test_cli_generate_prompt_too_long_is_one_line(hf_dir, capsys):
     _, err = capsys.readouterr()
     assert code == 1 and err.count("\n") == 1
     assert "max_cache_len=6" in err and "--max-cache-len" in err
+
+
+def test_cli_generate_from_an_artifact(hf_dir, tmp_path, capsys):
+    """A saved w8a8 KV-cache program with its tokenizer in DIR/tokenizer: the CLI prints the tokens
+    the reference q/dq program generates; without the tokenizer, one line says so."""
+    folder, _ = hf_dir
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    prompt = "w9 w2 w60"
+    ids = tok(prompt, return_tensors="pt").input_ids
+    lm = quantkit.capture(model, ids, max_cache_len=16)
+    prepared = quantkit.prepare(lm, quantkit.get_scheme("w8a8").quantizer())
+    g = torch.Generator().manual_seed(4)
+    quantkit.calibrate(prepared, [(torch.randint(1, VOCAB, (1, 16), generator=g), torch.arange(16))], progress=False)
+    qlm = quantkit.convert(prepared)
+    expected = tok.decode(quantkit.generate(qlm, ids, max_new_tokens=5, compile=False)[0, ids.shape[1]:])
+    quantkit.save(qlm, tmp_path / "art")
+    capsys.readouterr()  # the loading bars above
+    code = main(["generate", str(tmp_path / "art"), "--prompt", prompt, "--max-new-tokens", "5", "--no-compile"])
+    _, err = capsys.readouterr()
+    assert code == 1 and err.startswith("quantkit: error: no tokenizer in") and err.count("\n") == 1
+    tok.save_pretrained(tmp_path / "art" / "tokenizer")
+    code = main(["generate", str(tmp_path / "art"), "--prompt", prompt, "--max-new-tokens", "5", "--no-compile"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert expected in out and len(expected.split()) == 5, f"stdout {out!r} lacks {expected!r}"
+    assert "decode 4 tokens at" in err
+    code = main(["generate", str(tmp_path / "art"), "--prompt", prompt, "--max-new-tokens", "15", "--no-compile"])
+    _, err = capsys.readouterr()
+    assert code == 1 and "max_cache_len=16" in err and "--max-new-tokens 14 or less" in err
 
 
 @pytest.mark.slow
