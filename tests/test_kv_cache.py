@@ -317,3 +317,26 @@ def test_captured_program_stores_quantized_cache(llama, batches, fmt, granularit
             got = gm(ids[:, start:stop], torch.arange(start, stop))
             ref = llama(ids[:, start:stop], cache=eager, use_cache=True).logits
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt,granularity", [("int8", "per-tensor"), ("fp8_e4m3", "per-head")])
+def test_bf16_attention_reads_bf16(llama, fmt, granularity):
+    """A cache built for a bf16 model hands the attention bf16: the float64 quantize-dequantize of
+    the bf16 states, rounded to bf16 (the store itself is the same narrow dtype)."""
+    g = torch.Generator().manual_seed(5)
+    heads, n_layers = llama.config.num_key_value_heads, llama.config.num_hidden_layers
+    n = 1 if granularity == "per-tensor" else heads
+    scale = (torch.rand(n, generator=g) * 0.01 + 0.002).float() * (127 / QMAX[fmt])
+    scales = KVScales(fmt, granularity, (scale,) * n_layers, (scale,) * n_layers)
+    cache = build_static_cache(llama.config, max_cache_len=8, batch_size=1, dtype=torch.bfloat16,
+                               kv_cache=fmt, scales=scales)
+    layer = cache.layers[0]
+    assert layer.keys.dtype == STORED[fmt]
+    x = ((torch.rand(1, heads, 3, 16, generator=g) * 2 - 1) * QMAX[fmt] * scale.view(1, -1, 1, 1)).bfloat16()
+    got_k, _ = layer.update(x, x)
+    assert got_k.dtype == torch.bfloat16
+    ref, lo, hi, near = _reference_qdq(x.float(), scale, fmt)
+    written = got_k[:, :, :3].double()
+    assert torch.equal(written[~near], ref.bfloat16().double()[~near])
+    assert ((written == lo.bfloat16().double()) | (written == hi.bfloat16().double())
+            | (written == ref.bfloat16().double()))[near].all()
