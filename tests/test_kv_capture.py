@@ -197,16 +197,17 @@ def test_errors(llm, program, tokens):
 
 
 def test_quantized_cache_save_load(llm, tokens, tmp_path):
-    """An int8 per-head cache (helper module _kv_cache) is stored int8 with its scales as buffers,
-    and its artifact decodes bit for bit as the program it was saved from."""
+    """An int8 per-head cache (``pipeline._kv_cache``) is stored int8 with its scales as buffers,
+    and its artifact decodes bit for bit as the program it was saved from. GPTQ's block-cached
+    calibration replays each block on stored values: the cache's write positions must not drift."""
     from quantkit.pipeline._kv_cache import calibrate_kv_scales
 
     g = torch.Generator().manual_seed(3)
     scales = calibrate_kv_scales(llm, [torch.randint(0, VOCAB, (B, N), generator=g)], kv_cache="int8",
                                  granularity="per-head")
     gm = quantkit.capture(llm, tokens[:, :5], max_cache_len=N, kv_cache="int8", kv_scales=scales)
-    prepared = quantkit.prepare(gm, _scheme("w4a16").quantizer())
-    quantkit.calibrate(prepared, [(tokens, torch.arange(N))], progress=False)
+    prepared = quantkit.prepare(gm, dataclasses.replace(_scheme("w4a16"), algorithm="gptq").quantizer())
+    quantkit.calibrate(prepared, [(tokens, torch.arange(N)), (tokens.flip(1), torch.arange(N))], progress=False)
     qgm = quantkit.convert(prepared)
     expected = prefill_then_decode(qgm, tokens[:, :8], prompt=5)
     quantkit.save(qgm, tmp_path / "lm")
