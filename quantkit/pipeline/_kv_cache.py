@@ -33,6 +33,7 @@ from quantkit._qmath import (
     quantize_float8,
     symmetric_divisor,
 )
+from quantkit.quantizers._fp8 import KV_CACHE_FORMATS
 
 __all__ = [
     "KV_CACHE_FORMATS",
@@ -44,13 +45,8 @@ __all__ = [
     "quantized_layer_class",
 ]
 
-# format name -> stored dtype (the names FP8Quantizer(kv_cache=...) takes)
-KV_CACHE_FORMATS: dict[str, torch.dtype] = {
-    "int8": torch.int8,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
-KV_GRANULARITIES = ("per-tensor", "per-head")
+# KV_CACHE_FORMATS: format name -> stored dtype, the names FP8Quantizer(kv_cache=...) takes
+KV_GRANULARITIES = ("per-tensor", "per-head")  # FP8Quantizer(kv_granularity=...)'s
 # symmetric int8 in [-127, 127], as FP8Quantizer.kv_spec and compressed-tensors' kv_cache_scheme store it
 _INT8_MIN, _INT8_MAX = -127, 127
 
