@@ -94,17 +94,6 @@ def test_compiled_once_no_recompiles(llama, program, monkeypatch):
         torch._dynamo.reset()
 
 
-@pytest.mark.slow
-def test_greedy_compiled_with_inductor_equals_transformers(llama, program):
-    """The real compile path (Inductor, ~2 min on 2 loaded cores for this tiny model: slow)."""
-    clear_compiled()
-    try:
-        ids = _prompt(5)
-        assert torch.equal(quantkit.generate(program, ids, max_new_tokens=8), _hf_greedy(llama, ids, 8))
-    finally:
-        clear_compiled()
-
-
 def test_eos_stops_a_row(llama, program):
     """A row that emits eos is padded with it (transformers' default pad) and the loop stops once
     every row has; compared with transformers' generate given the same eos."""
@@ -261,6 +250,17 @@ def test_cli_generate_prompt_too_long_is_one_line(hf_dir, capsys):
     _, err = capsys.readouterr()
     assert code == 1 and err.count("\n") == 1
     assert "max_cache_len=6" in err and "--max-cache-len" in err
+
+
+@pytest.mark.parametrize("extra, words", [(["--top-k", "3"], "apply to sampling; add --sample"),
+                                          (["--sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+                                          (["--sample", "--temperature", "0"], "drop --sample for greedy"),
+                                          (["--max-new-tokens", "-1"], "--max-new-tokens must be 0 or more")])
+def test_cli_generate_bad_options_are_usage_errors(hf_dir, capsys, extra, words):
+    folder, _ = hf_dir
+    code = main(["generate", str(folder), "--prompt", "w1", "--no-compile", *extra])
+    _, err = capsys.readouterr()
+    assert code == 2 and words in err and err.count("\n") == 1, err
 
 
 def test_cli_generate_from_an_artifact(hf_dir, tmp_path, capsys):

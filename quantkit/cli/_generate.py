@@ -21,8 +21,9 @@ from .. import _hf
 from .._errors import QuantkitError
 from .._text import printable
 from ..export._artifact import RECIPE_FILE
-from ..generation import SamplingConfig, generate_with_stats, program_cache_info
+from ..generation import GenerationError, SamplingConfig, generate_with_stats, program_cache_info
 from ..pipeline._kv_capture import KVCacheError
+from ._inputs import UsageError
 from ._quantize import TOKENIZER_DIR
 
 __all__ = ["run_generate"]
@@ -88,7 +89,7 @@ def _program(path: Path, args, ids: torch.Tensor, warn):
             raise QuantkitError(f"{str(path)!r} holds a program without a KV cache, which cannot generate; quantize "
                                 "the causal LM again with a static KV cache (quantkit.capture(..., max_cache_len=N))")
         if args.max_cache_len is not None and args.max_cache_len != info["max_cache_len"]:
-            raise QuantkitError(f"the artifact's KV cache holds {info['max_cache_len']} positions and cannot change; "
+            raise UsageError(f"the artifact's KV cache holds {info['max_cache_len']} positions and cannot change; "
                                 "drop --max-cache-len")
         return program, True
     _hf.check_hf_dir(path)
@@ -97,8 +98,6 @@ def _program(path: Path, args, ids: torch.Tensor, warn):
     limit = getattr(model.config, "max_position_embeddings", None)
     if args.max_cache_len is None and limit is not None and n > limit:
         n = max(int(limit), ids.shape[1])  # the model's own maximum; generate() says if it is too short
-    if args.max_cache_len is not None and args.max_cache_len < 1:
-        raise QuantkitError(f"--max-cache-len must be at least 1, got {args.max_cache_len}")
     example = ids[:, : min(ids.shape[1], n)]
     return quantkit.capture(model, example, max_cache_len=int(n)), False
 
@@ -109,10 +108,17 @@ def run_generate(args, say, warn) -> int:
     if not path.is_dir():
         raise QuantkitError(f"{args.dir!r} is not a directory; pass a quantkit artifact or an HF causal-LM folder")
     if args.max_new_tokens < 0:
-        raise QuantkitError(f"--max-new-tokens must be 0 or more, got {args.max_new_tokens}")
+        raise UsageError(f"--max-new-tokens must be 0 or more, got {args.max_new_tokens}")
     if not args.sample and (args.top_k is not None or args.top_p is not None or args.temperature != 1.0):
-        raise QuantkitError("--temperature, --top-k and --top-p apply to sampling; add --sample")
-    sampling = SamplingConfig(do_sample=args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        raise UsageError("--temperature, --top-k and --top-p apply to sampling; add --sample")
+    if args.max_cache_len is not None and args.max_cache_len < 1:
+        raise UsageError(f"--max-cache-len must be at least 1, got {args.max_cache_len}")
+    try:
+        sampling = SamplingConfig(do_sample=args.sample, temperature=args.temperature, top_k=args.top_k,
+                                  top_p=args.top_p)
+    except GenerationError as exc:  # the same checks, in the command line's words
+        text = re.sub(r"\b(temperature|top_k|top_p)\b", lambda m: "--" + m.group(1).replace("_", "-"), str(exc))
+        raise UsageError(text.replace("use do_sample=False", "drop --sample")) from None
     tokenizer = _tokenizer(path)
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     if ids.shape[1] == 0:
