@@ -5,7 +5,8 @@ Each row runs the same fp32 weights over the same held-out WEB Bible windows (ev
 float32, int8, fp8_e4m3, fp8_e5m2, per tensor and per KV head. A window is one forward through the
 cache: every query reads the dequantized store, its own position included, which is what each
 decode step of a generation reads, so the perplexity carries the cache's whole rounding error.
-Scales come from ``calibrate_kv_scales`` on calibration chapters (never the held-out ones).
+Scales come from ``observe_kv_amax`` + ``KVScales.from_amax`` (what ``calibrate_kv_scales`` does) on
+calibration chapters, never the held-out ones: one pass per granularity serves the three formats.
 
 Perplexity = exp(mean NLL of tokens 1..W-1 of each non-overlapping W-token window). The bytes are
 those of a batch-1 cache of ``--context`` positions (stores + scales), against a bf16 cache.
@@ -29,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests._smollm2
 
-from quantkit.pipeline._kv_cache import build_static_cache, cache_bytes, calibrate_kv_scales  # noqa: E402
+from quantkit.pipeline._kv_cache import KVScales, build_static_cache, cache_bytes, observe_kv_amax  # noqa: E402
 
 FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
 GRANULARITIES = ("per-tensor", "per-head")
@@ -99,13 +100,17 @@ def main(argv=None) -> int:
     bf16_bytes = cache_bytes(build_static_cache(cfg, max_cache_len=args.context, batch_size=1, dtype=torch.bfloat16))
     t0 = time.perf_counter()
     base = perplexity(model, held, float_cache())
+    print(f"  float32: ppl {base:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     rows = [{"cache": "float32", "granularity": "-", "ppl": base, "delta_pct": 0.0,
              "bytes": cache_bytes(build_static_cache(cfg, max_cache_len=args.context, batch_size=1)),
              "seconds": time.perf_counter() - t0}]
-    for fmt in FORMATS:
-        for gran in GRANULARITIES:
+    for gran in GRANULARITIES:
+        t0 = time.perf_counter()
+        amax = observe_kv_amax(model, list(cal.split(1)), granularity=gran)  # one pass serves every format
+        print(f"  calibrated {gran} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        for fmt in FORMATS:
             t0 = time.perf_counter()
-            scales = calibrate_kv_scales(model, list(cal.split(1)), kv_cache=fmt, granularity=gran)
+            scales = KVScales.from_amax(*amax, kv_cache=fmt, granularity=gran)
             ppl = perplexity(model, held, lambda: build_static_cache(
                 cfg, max_cache_len=args.window, batch_size=1, kv_cache=fmt, scales=scales))
             nbytes = cache_bytes(build_static_cache(cfg, max_cache_len=args.context, batch_size=1,

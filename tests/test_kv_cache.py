@@ -21,6 +21,7 @@ from quantkit.pipeline._kv_cache import (  # noqa: E402
     build_static_cache,
     cache_bytes,
     calibrate_kv_scales,
+    observe_kv_amax,
 )
 
 FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
@@ -238,6 +239,21 @@ def test_calibrated_scales_are_absmax_of_rotated_keys_and_values(llama, batches,
             expected = (amax[i, role] / QMAX[fmt]).float()
             # float32 RoPE in the model vs float64 here: a few ulps on the absmax
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_observed_amax_serves_every_format(llama, batches, granularity):
+    """One observation pass gives the absmax itself; from_amax of it is calibrate_kv_scales' result."""
+    key_amax, value_amax = observe_kv_amax(llama, batches, granularity=granularity)
+    amax = _hooked_amax(llama, batches, granularity == "per-head")
+    for i, (k, v) in enumerate(zip(key_amax, value_amax)):
+        torch.testing.assert_close(k, amax[i, "k"].float(), rtol=1e-5, atol=0)
+        torch.testing.assert_close(v, amax[i, "v"].float(), rtol=1e-5, atol=0)
+    for fmt in FORMATS:
+        direct = _scales(llama, batches, fmt, granularity)
+        derived = KVScales.from_amax(key_amax, value_amax, kv_cache=fmt, granularity=granularity)
+        for a, b in zip(direct.key_scales + direct.value_scales, derived.key_scales + derived.value_scales):
+            assert torch.equal(a, b)
 
 
 # --- errors ---------------------------------------------------------------------------------------

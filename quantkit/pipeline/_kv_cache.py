@@ -41,6 +41,7 @@ __all__ = [
     "KVScales",
     "build_static_cache",
     "calibrate_kv_scales",
+    "observe_kv_amax",
     "cache_bytes",
     "quantized_layer_class",
 ]
@@ -329,25 +330,18 @@ def _batch_kwargs(batch) -> dict:
 
 
 @torch.no_grad()
-def calibrate_kv_scales(model, batches: Iterable, *, kv_cache: str, granularity: str = "per-tensor") -> KVScales:
-    """Scales of a quantized KV cache, from the K (after RoPE) and V the eager model caches.
+def observe_kv_amax(model, batches: Iterable, *, granularity: str = "per-tensor"):
+    """Absolute maxima of the K (after RoPE) and V the eager model writes into its cache.
 
-    Runs ``model`` (an eager transformers causal LM) over ``batches`` with an observing cache that
-    records each layer's absmax, per tensor or per KV head, and turns it into symmetric scales.
+    Runs ``model`` over ``batches`` with an observing cache (float, like ``DynamicCache``).
 
-    Args:
-        model: the float ``PreTrainedModel``.
-        batches: input_ids tensors ``[B, L]`` (or dicts of model inputs), full sequences.
-        kv_cache: ``"int8"``, ``"fp8_e4m3"`` or ``"fp8_e5m2"``.
-        granularity: ``"per-tensor"`` or ``"per-head"``.
-
-    Example:
-        >>> scales = calibrate_kv_scales(model, [ids], kv_cache="int8")
-        >>> cache = build_static_cache(model.config, max_cache_len=256, batch_size=1, kv_cache="int8", scales=scales)
+    Returns:
+        ``(key_amax, value_amax)``: one float32 tensor per layer, ``[1]`` per tensor or
+        ``[num_kv_heads]`` per head. ``KVScales.from_amax`` turns them into any format's scales
+        (one calibration pass serves int8 and both FP8 formats).
     """
     from transformers import DynamicCache
 
-    _check_format(kv_cache)
     _check_granularity(granularity)
     _, observing_cls = _layer_classes()
     n_layers = getattr(_text_config(model.config), "num_hidden_layers", None)
@@ -367,11 +361,35 @@ def calibrate_kv_scales(model, batches: Iterable, *, kv_cache: str, granularity:
     finally:
         model.train(was_training)
     if seen == 0:
-        raise CalibrationError("calibrate_kv_scales got no batches; pass at least one input_ids tensor")
+        raise CalibrationError("KV-cache calibration got no batches; pass at least one input_ids tensor")
     missing = [i for i, a in enumerate(key_amax) if a is None]
     if missing or not key_amax:
         raise CalibrationError(f"the model never wrote to its KV cache (layers {missing}); "
-                               "calibrate_kv_scales needs a causal LM that takes cache=")
+                               "KV-cache calibration needs a causal LM that takes cache=")
+    return key_amax, value_amax
+
+
+def calibrate_kv_scales(model, batches: Iterable, *, kv_cache: str, granularity: str = "per-tensor") -> KVScales:
+    """Scales of a quantized KV cache, from the K (after RoPE) and V the eager model caches.
+
+    Runs ``model`` (an eager transformers causal LM) over ``batches`` with an observing cache that
+    records each layer's absmax, per tensor or per KV head (:func:`observe_kv_amax`), and turns it
+    into symmetric scales. Values past the calibrated range are clamped (int8) or saturate (FP8)
+    when stored: calibrate on enough text (a few thousand tokens) that held-out text rarely exceeds it.
+
+    Args:
+        model: the float ``PreTrainedModel``.
+        batches: input_ids tensors ``[B, L]`` (or dicts of model inputs), full sequences.
+        kv_cache: ``"int8"``, ``"fp8_e4m3"`` or ``"fp8_e5m2"``.
+        granularity: ``"per-tensor"`` or ``"per-head"``.
+
+    Example:
+        >>> scales = calibrate_kv_scales(model, [ids], kv_cache="int8")
+        >>> cache = build_static_cache(model.config, max_cache_len=256, batch_size=1, kv_cache="int8", scales=scales)
+    """
+    _check_format(kv_cache)
+    _check_granularity(granularity)
+    key_amax, value_amax = observe_kv_amax(model, batches, granularity=granularity)
     return KVScales.from_amax(key_amax, value_amax, kv_cache=kv_cache, granularity=granularity)
 
 
