@@ -212,7 +212,7 @@ def lm_artifacts(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("lm")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                                    intermediate_size=64, vocab_size=30522, max_position_embeddings=256)
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.save_pretrained(str(root / "llama"))
@@ -254,28 +254,29 @@ def test_eval_kv_artifact(lm_artifacts, capsys):
     assert res["perplexity"] != res["float_perplexity"]  # w8a8 moved it
     d = res["decode"]
     assert (d["prompt_tokens"], d["new_tokens"], d["batch_size"]) == (32, 32, 1) and d["decode_tokens_per_s"] > 0
-    # the text report: both perplexities and the decode line
-    assert main(args + ["--window", "32", "--stride", "16"]) == 0
+    # the text report, without a float model (saved from Python, no --model)
+    assert main(args[:6] + ["--max-tokens", "60", "--window", "32", "--stride", "16", "--no-compile", "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert "150 tokens, window 32, stride 16" in out
-    line = next(ln for ln in out.splitlines() if "quantized:" in ln)
-    q = perplexity(quantkit.load(str(root / "kv")), ids, window=32, stride=16)
-    assert f"quantized: {q:.4f}" in line and "float: " in line
+    assert "60 tokens, window 32, stride 16" in out
+    q = perplexity(quantkit.load(str(root / "kv")), ids[:, :60], window=32, stride=16)
+    assert f"quantized: {q:.4f}\n" in out
+    assert "no float model to compare with (the artifact was saved from Python): pass --model DIR" in out
     assert "decode: " in out and " tokens/s, prefill " in out
 
 
 def test_eval_full_sequence_program(lm_artifacts, capsys):
     from quantkit.cli import main
 
-    root, _ = lm_artifacts
+    root, model = lm_artifacts
     assert main(["eval", str(root / "full"), "--data", str(root / "held.txt"), "--tokenizer", str(root / "llama"),
-                 "--max-tokens", "100", "--quiet"]) == 0
+                 "--model", str(root / "llama"), "--max-tokens", "100", "--quiet"]) == 0
     out = capsys.readouterr().out
     # the window defaults to the program's own length (captured from a [1, 16] example)
     assert "100 tokens, window 16, stride 16" in out
-    q = perplexity(quantkit.load(str(root / "full")), _ids(root, 100), window=16)
-    assert f"quantized: {q:.4f}" in out
-    assert "no float model to compare with (the artifact was saved from Python): pass --model DIR" in out
+    ids = _ids(root, 100)
+    q, f = perplexity(quantkit.load(str(root / "full")), ids, window=16), perplexity(model, ids, window=16)
+    assert f == pytest.approx(_float64_ppl(model, ids, 16, 16), rel=1e-6)
+    assert f"quantized: {q:.4f}   float: {f:.4f}   ({100 * (q / f - 1):+.2f}%)" in out
     assert "decode tokens/s not measured: the program has no KV cache" in out
 
 
