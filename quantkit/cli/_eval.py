@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .. import _hf
 from ..export import _artifact
 from ..generation import generate_with_stats
 from ..metrics import perplexity, resolve_window
@@ -468,8 +469,6 @@ def _recorded_causal_lm(doc: dict, args) -> bool:
         return True
     if task != "auto" or not (path / "config.json").is_file():
         return False
-    from .. import _hf
-
     try:
         cls, _ = _hf.model_class(path, "auto")
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
