@@ -283,7 +283,7 @@ def test_keep_float_bf16_record_reaches_the_converted_model():
     same graph as finishing the float layers by hand. A bad value is one ValueError line."""
     model, x = make_mlp()
     calib = [(b,) for b in x.split(64)]
-    with pytest.raises(ValueError, match=r"unknown float_weights 'fp16'; use one of \['fp32', 'bf16'\]"):
+    with pytest.raises(ValueError, match=r"unknown float_weights 'fp16'; use one of \['fp32', 'bf16', 'int8'\]"):
         KeepFloat(W8A8Quantizer(), ["linear_1"], float_weights="fp16")
     q = KeepFloat(W8A8Quantizer(), ["linear_1"], float_weights="bf16")
     assert "float_weights='bf16'" in repr(q)

@@ -28,7 +28,7 @@ from ._metrics import Evaluator, reiterable
 
 __all__ = ["AutoRecipe", "RECIPES", "Trial", "AutotuneReport", "autotune", "search", "recipe_names",
            "fallback_search", "DEFAULT_TARGETS", "fastest", "mark_pareto", "model_bytes", "speed_verdict",
-           "float_baseline"]
+           "float_baseline", "FALLBACK_WEIGHTS", "fallback_with_weights"]
 
 # default targets per metric (issue 17): embeddings / regression outputs held-out mean cosine
 # >= 0.999; classifiers top-1 agreement >= 99%
@@ -237,9 +237,19 @@ def mark_pareto(trials: Sequence[Trial]) -> None:
 
 def model_bytes(model: torch.nn.Module) -> int:
     """Bytes of the tensors a model holds (each stored tensor once): int8 weights count 1 byte an
-    element, float ones 4 (2 in bf16); the artifact's file adds its program and metadata."""
+    element, float ones 4 (2 in bf16); the artifact's file adds its program and metadata. A scoring
+    copy's float32 stand-ins for int8 weights (``pipeline._variants.fuse_qdq``) count as the int8
+    weights they stand for."""
+    from quantkit._graph import get_attr
+    from quantkit.pipeline._variants import SCORING_WEIGHTS_META_KEY
+
+    meta = getattr(model, "meta", None)
+    stands_for = meta.get(SCORING_WEIGHTS_META_KEY, {}) if isinstance(meta, dict) else {}
+    tensors = [t for name, t in list(model.named_parameters()) + list(model.named_buffers())
+               if name not in stands_for]
+    tensors += [get_attr(model, target) for target in stands_for.values()]
     seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
+    for t in tensors:
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
         if key not in seen:
             seen.add(key)
@@ -397,13 +407,15 @@ def speed_verdict(trials: Sequence[Trial], chosen: int, floats: dict, noise: flo
 
 def fallback_search(variants, evaluator, budget: float, *, rank_evaluator=None, progress: bool = False,
                     build: bool = True):
-    """Keep the fewest most-sensitive layers float so ``evaluator`` drops at most ``budget``:
-    the search of :func:`quantkit.auto_fallback`, for any evaluator with ``reference``,
+    """Keep float the layers that cost least (GEMM FLOPs: time, and bytes for linears) while
+    ``evaluator`` drops at most ``budget`` (:meth:`._fallback._Search.cheapest`: a knapsack on the
+    skip-one gains, each candidate scored), for any evaluator with ``reference``,
     ``score(model)`` and ``data``; ``rank_evaluator`` (e.g. fewer batches) ranks the layers
     (one evaluation per layer), ``evaluator`` decides. Every configuration is scored on a scoring
     copy (:meth:`Variants.variant`: no prepare or convert); the returned model is a real build
     (``build=False``: the scoring copy, for a caller that builds the artifact itself, as the CLI
     does from ``--skip`` patterns). Returns ``(model, float layer names, score)``."""
+    from ..pipeline._layers import gemm_flops
     from ._fallback import _Search
     from ._sensitivity import SensitivityMode, measure
 
@@ -413,12 +425,35 @@ def fallback_search(variants, evaluator, budget: float, *, rank_evaluator=None, 
         rank = rank_evaluator or evaluator
         ranking = measure(variants, rank, SensitivityMode.SKIP_ONE, None if rank_evaluator else s.score(()),
                           progress=progress)
-        keep = s.prune(s.shortest_prefix([layer.name for layer in ranking.layers]))
+        keep = s.cheapest(ranking, gemm_flops(variants.float_graph, next(iter(evaluator.data))))
     if keep and len(keep) == len(variants.layers):
         raise ValueError(f"the fallback keeps every one of the {len(keep)} layers float (nothing left to "
                          "quantize); the target is out of reach for int8")
     model = variants.build(keep) if build else variants.variant(keep)
     return model, keep, s.score(keep)
+
+
+# what a fallback's float layers store their weights in, in the order tried: int8 per channel (a
+# quarter of fp32's bytes; the layer reads its input unrounded, which is what made it sensitive),
+# then bf16 where even that falls short (pipeline/_float_fallback)
+FALLBACK_WEIGHTS = ("int8", "bf16")
+
+
+def fallback_with_weights(variants_for: Callable[[str], Any], evaluator, target: float, **kw):
+    """:func:`fallback_search` for each of :data:`FALLBACK_WEIGHTS` in turn (``variants_for(weights)``
+    gives the :class:`~quantkit.pipeline._variants.Variants` storing the float layers' weights so),
+    stopping at the first that meets ``target``. Returns ``(model, keep, score, weights, variants)``."""
+    for weights in FALLBACK_WEIGHTS:
+        variants = variants_for(weights)
+        try:
+            q, keep, score = fallback_search(variants, evaluator, evaluator.reference - target, **kw)
+        except ValueError:  # even every layer float falls short with these weights
+            if weights == FALLBACK_WEIGHTS[-1]:
+                raise
+            continue
+        if score >= target:
+            break
+    return q, keep, score, weights, variants
 
 
 def _best_static(trials: list[Trial]) -> AutoRecipe:
@@ -504,10 +539,18 @@ def autotune(model: torch.nn.Module, example_inputs: Any, calib: Iterable, eval_
     def evaluate(r: AutoRecipe, trials):
         if r.fallback:
             base = _best_static(trials)
-            variants = Variants(base_graph(base), None, calib, W8A8Quantizer(base.config()))
-            q, keep, score = fallback_search(variants, evaluator, evaluator.reference - target)
+            prepared: dict = {}
+
+            def variants_for(weights):
+                v = Variants(base_graph(base), None, calib, W8A8Quantizer(base.config()),
+                             prepared=prepared.get("p"), float_weights=weights)
+                prepared.setdefault("p", v.prepared)
+                return v
+
+            q, keep, score, weights, variants = fallback_with_weights(variants_for, evaluator, target)
             labels = {layer.name: layer.label for layer in variants.layers}
-            return q, score, {"base": base.name, "float_layers": [labels[n] for n in keep]}
+            return q, score, {"base": base.name, "float_weights": weights,
+                              "float_layers": [labels[n] for n in keep]}
         from quantkit.pipeline._api import quantize
 
         q = quantize(base_graph(r), example_inputs, calib, W8A8Quantizer(r.config()), progress=False)

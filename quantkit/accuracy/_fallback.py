@@ -131,6 +131,63 @@ class _Search:
                 keep = trial
         return keep
 
+    def cheapest(self, ranking: SensitivityReport, costs: dict[str, float]) -> list[str]:
+        """Float layers that meet the budget at a small total ``cost`` (GEMM FLOPs: what a float layer
+        adds to the latency, and, for a linear, in proportion to the bytes it adds), in few scorings.
+
+        A knapsack on the ranking's gains (issue 28): one layer's gain is what keeping it alone float
+        recovers (skip-one), and the gains of a few small rounding errors add up. Layers are taken by
+        gain per cost, the predicted number of them that covers the missing score is scored first,
+        and the search walks from there (1, 2, 4, ... layers either way, then bisects) instead of from
+        one layer. The kept layers are then returned to int8 one at a time, largest cost first, where
+        the measured margin says the budget may still hold (each such return is scored, never assumed).
+        """
+        gain = {e.layer.name: max(e.sensitivity, 0.0) for e in ranking.ranked}
+        names = [e.layer.name for e in ranking.ranked]  # most sensitive first
+        known = sorted(c for c in (costs.get(n) for n in names) if c)
+        typical = known[len(known) // 2] if known else 1.0
+        cost = {n: float(costs.get(n) or typical) for n in names}
+        helpful = sorted((n for n in names if gain[n] > 0), key=lambda n: -gain[n] / cost[n])
+        order = helpful + [n for n in names if gain[n] <= 0]
+        target = self.evaluator.reference - self.budget
+        need, total, k = target - self.score(()), 0.0, len(order)
+        for i, name in enumerate(order):
+            total += gain[name]
+            if total >= need:
+                k = i + 1
+                break
+        keep = self._walk(order, k)
+        margin = self.score(keep) - target
+        for name in sorted(keep, key=lambda n: -cost[n]):
+            if len(keep) > 1 and gain[name] <= margin:
+                trial = [n for n in keep if n != name]
+                if self.ok(trial):
+                    keep, margin = trial, self.score(trial) - target
+        return keep
+
+    def _walk(self, order: list[str], k: int) -> list[str]:
+        """The shortest prefix of ``order`` meeting the budget, searched from a guess of ``k`` layers
+        (the empty prefix is known to fail; all of them float always meets it)."""
+        n = len(order)
+        k = max(1, min(k, n))
+        if self.ok(order[:k]):
+            hi, step, lo = k, 1, k - 1
+            while lo > 0 and self.ok(order[:lo]):
+                hi, step = lo, step * 2
+                lo = max(0, hi - step)
+        else:
+            lo, step, hi = k, 1, min(n, k + 1)
+            while hi < n and not self.ok(order[:hi]):
+                lo, step = hi, step * 2
+                hi = min(n, lo + step)
+        while hi - lo > 1:  # order[:lo] fails, order[:hi] meets it
+            mid = (lo + hi) // 2
+            if self.ok(order[:mid]):
+                hi = mid
+            else:
+                lo = mid
+        return order[:hi]
+
 
 def auto_fallback(model: torch.nn.Module, example_inputs: Any, calib_data: Iterable, eval_data: Iterable,
                   metric: str | Metric, budget: float, quantizer=None, *, mode: str = "skip-one",

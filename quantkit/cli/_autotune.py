@@ -181,18 +181,21 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
             b = at._best_static(trials)
             cli = _as_cli(b, base)
             # the base recipe's calibrated model, when it was scored: no second calibration
-            # float layers in bf16 (issue 28 item 3): the variants score what the artifact computes
-            variants = variants_of(b, cli, "bf16")
-            # build=False: the scoring copy stands in for the model (quantize builds the artifact from
-            # the --skip patterns below, for real, and measures it afresh)
-            q, keep, score = at.fallback_search(variants, evaluator, evaluator.reference - target,
-                                                rank_evaluator=evaluator.head(1), progress=progress, build=False)
+            # the float layers keep int8 weights (per channel, read unrounded inputs: a quarter of
+            # the bytes of fp32) where that meets the target, else bf16 weights (issue 28 items 3 and
+            # the 0.30x size); the variants score what the artifact computes
+            # build=False: the scoring copy stands in for the model (quantize builds the artifact
+            # from the --skip patterns below, for real, and measures it afresh)
+            q, keep, score, weights, variants = at.fallback_with_weights(
+                lambda w: variants_of(b, cli, w), evaluator, target, rank_evaluator=evaluator.head(1),
+                progress=progress, build=False)
             layers = [layer for layer in variants.layers if layer.name in keep]
             skip = sorted({layer.module for layer in layers if layer.module})
             if len(skip) < len(layers):  # a top-level op has no module to name with --skip
                 raise ValueError("a sensitive layer has no module name to keep float with --skip")
-            cli_of[auto.name] = _as_cli(b, base, skip, float_weights="bf16")
-            return q, score, {"base": b.name, "float_layers": [layer.label for layer in layers]}
+            cli_of[auto.name] = _as_cli(b, base, skip, float_weights=weights)
+            return q, score, {"base": b.name, "float_weights": weights,
+                              "float_layers": [layer.label for layer in layers]}
         cli = _as_cli(auto, base)
         prepared = quantkit.prepare(graph_for(auto, cli), cli.quantizer(module_names))
         quantkit.calibrate(prepared, calib, progress=False)
@@ -252,14 +255,11 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
 
 
 def _cpu_note() -> str | None:
-    """Why this CPU gets no fast int8/bf16 path (one line), or None (helper B's
-    ``accuracy._costmodel.cpu_support_line``; absent in older trees)."""
-    try:
-        from quantkit.accuracy import _costmodel
-    except ImportError:
-        return None
-    line = getattr(_costmodel, "cpu_support_line", None)
-    return line() if callable(line) else None
+    """Why this CPU gets no fast int8/bf16 path (one line), or None
+    (``accuracy._costmodel.cpu_support_line``)."""
+    from quantkit.accuracy import _costmodel
+
+    return _costmodel.cpu_support_line()
 
 
 def summary_line(doc: dict) -> str:
@@ -274,7 +274,7 @@ def summary_line(doc: dict) -> str:
     speed = ""
     if "vs_fp32" in s:
         speed = f"; compiled {s['int8_ms']:.1f} ms per batch = {s['vs_fp32']:.2f}x fp32"
-        if s.get("vs_bf16") and s.get("bf16_native", True):
+        if s.get("vs_bf16"):  # only where bf16 is native: Meter.floats gives no bf16_ms elsewhere
             speed += f", {s['vs_bf16']:.2f}x bf16"
     return f"recipe {doc['chosen']} ({doc['reason']}){speed}"
 

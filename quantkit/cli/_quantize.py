@@ -106,8 +106,9 @@ class Recipe:
     fp8: FP8Recipe | None = None  # --scheme fp8 | fp8-dynamic [--kv-cache]
     weight_algorithm: str = "rtn"  # --algorithm for the W8A8 schemes (QuantConfig.weight_algorithm)
     registered: SchemeRecipe | None = None  # another registered --scheme, run as its config says
-    # what the --skip layers' float weights are stored in: "fp32", or "bf16" (the auto fallback's
-    # float layers, pipeline/_float_fallback: half the bytes, their inputs read unrounded)
+    # what the --skip layers' float weights are stored in: "fp32", "bf16" (half the bytes) or "int8"
+    # (per channel, a quarter: the auto fallback's float layers first try these; pipeline/_float_fallback);
+    # with bf16 or int8 the layers also read their inputs unrounded
     float_weights: str = "fp32"
 
     @staticmethod
@@ -185,8 +186,8 @@ class Recipe:
                 raise inputs.UsageError(f"unknown op families {unknown} for --ops; choose from "
                                         f"{', '.join(sorted(QUANTIZABLE_OPS))} (comma-separated)")
         check_weight_algorithm(self.weight_algorithm, self.weight_only)
-        if self.float_weights not in ("fp32", "bf16"):
-            raise inputs.UsageError(f"unknown float weight dtype {self.float_weights!r}; use fp32 or bf16")
+        if self.float_weights not in ("fp32", "bf16", "int8"):
+            raise inputs.UsageError(f"unknown float weight dtype {self.float_weights!r}; use fp32, bf16 or int8")
         try:
             self.config()
         except ValueError as exc:
@@ -276,10 +277,10 @@ class Recipe:
         return ComposableQuantizer([embeddings, w8a8])
 
     def finish(self, qmodel, module_names: list[str]) -> dict[str, int]:
-        """With ``float_weights="bf16"``: store the float weights of the --skip layers of the converted
-        ``qmodel`` in bf16 and let them read their inputs unrounded (``finish_float_layers``), in
-        place; what ``Variants(float_weights="bf16")`` scored. ``{}`` otherwise."""
-        if self.float_weights != "bf16" or not self.skip:
+        """With ``float_weights="bf16"`` or ``"int8"``: store the float weights of the --skip layers of
+        the converted ``qmodel`` in that dtype and let them read their inputs unrounded
+        (``finish_float_layers``), in place; what ``Variants(float_weights=...)`` scored. ``{}`` otherwise."""
+        if self.float_weights == "fp32" or not self.skip:
             return {}
         from quantkit.pipeline._float_fallback import finish_float_layers, float_gemms
         from quantkit.pipeline._layers import layer_of
@@ -287,7 +288,7 @@ class Recipe:
         skipped = self.skipped(module_names)
         names = [n.name for n in float_gemms(qmodel)
                  if any(m == s or m.startswith(s + ".") for m in (layer_of(n).module,) for s in skipped)]
-        return finish_float_layers(qmodel, names) if names else {}
+        return finish_float_layers(qmodel, names, self.float_weights) if names else {}
 
     def skipped(self, module_names: list[str]) -> list[str]:
         """Module names matching any ``--skip`` pattern (fnmatch); a pattern matching nothing is an error."""

@@ -26,10 +26,12 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from .._graph import DEQUANTIZE_OPS, QUANTIZE_OPS, get_attr, set_attr
+from .._graph import DEQUANTIZE_OPS, QUANTIZE_OPS, get_attr, set_attr, unique_attr_name
+from .._qmath import choose_qparams, quantize as qmath_quantize
 from ._layers import _FAMILIES, _MOVES, KEEP_FLOAT_META_KEY, source_dequantize
 
-__all__ = ["FLOAT_WEIGHTS_META_KEY", "float_gemms", "drop_stray_qdq", "store_float_layers_bf16",
+__all__ = ["FLOAT_WEIGHTS_META_KEY", "INT8_WEIGHTS_META_KEY", "float_gemms", "drop_stray_qdq",
+           "store_float_layers_bf16", "store_float_layers_int8", "int8_weight",
            "finish_float_layers", "finish_recorded_float_layers", "bf16_weight_source"]
 
 aten = torch.ops.aten
@@ -37,6 +39,9 @@ aten = torch.ops.aten
 FLOAT_WEIGHTS_META_KEY = "quantkit_bf16_float_layers"
 # GEMM-like ops a fallback keeps float (add is a layer family, but it has no weight and no GEMM)
 _GEMM_FAMILIES = {t for t, fam in _FAMILIES.items() if fam != "add"} | {aten.addmm.default}
+_DQ_CHANNEL = torch.ops.quantized_decomposed.dequantize_per_channel.default
+# GEMMs whose weight operand has its output channels on dim 0 (linear [N, K], conv [C_out, ...])
+_WEIGHT_AXIS0 = {t for t, fam in _FAMILIES.items() if fam in ("linear", "conv")}
 
 
 def _operands(node: Node) -> tuple:
@@ -202,20 +207,109 @@ def store_float_layers_bf16(gm: GraphModule, names=None) -> int:
     return stored
 
 
+# gm.meta key: the names of the layers whose weights store_float_layers_int8 stored in int8
+INT8_WEIGHTS_META_KEY = "quantkit_int8_weight_float_layers"
+_INT8_RANGE = (-127, 127)  # symmetric, as W8A8's weights: no -128, so -w rounds to -q
+
+
+def int8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, scale, zero_point)``: ``w`` rounded to int8 per output channel (dim 0), symmetric in
+    [-127, 127] with the scale ``absmax / 127`` (quantkit._qmath.choose_qparams, as W8A8's
+    per-channel weight observer computes it)."""
+    flat = w.detach().reshape(w.shape[0], -1)
+    scale, zp = choose_qparams(flat.amin(dim=1), flat.amax(dim=1), qscheme=torch.per_channel_symmetric,
+                               dtype=torch.int8, quant_min=_INT8_RANGE[0], quant_max=_INT8_RANGE[1])
+    return qmath_quantize(w.detach(), scale, zp, *_INT8_RANGE, torch.int8, axis=0), scale, zp
+
+
+def store_float_layers_int8(gm: GraphModule, names=None) -> int:
+    """Store the weights of ``gm``'s float GEMMs as int8 per output channel, each read through its
+    ``dequantize_per_channel``; in place. The layer still computes in float on its float input (no
+    activation rounding: what made it sensitive), the artifact holds 1 byte per weight as an int8
+    layer does, and a compile with freezing folds the dequantize into a constant weight.
+
+    Args, guards and return value as :func:`store_float_layers_bf16` (names stored go to
+    ``gm.meta[INT8_WEIGHTS_META_KEY]``).
+
+    Numerics: each weight moves by at most half its channel's step ``absmax / 127``.
+
+    Example:
+        >>> qm = variants.build(["linear_3"])
+        >>> store_float_layers_int8(qm, ["linear_3"])
+        1
+    """
+    wanted = None if names is None else frozenset(names)
+    layers = [n for n in float_gemms(gm) if wanted is None or n.name in wanted]
+    chosen = set(layers)
+    by_target: dict[str, list[Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            by_target.setdefault(str(node.target), []).append(node)
+    stored, done = 0, set()
+    for layer in layers:
+        w = _weight_attr(layer)
+        if w is None or str(w.target) in done or layer.target not in _WEIGHT_AXIS0:
+            continue
+        target = str(w.target)
+        tensor = get_attr(gm, target)
+        if not (isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32 and tensor.dim() >= 2):
+            continue
+        readers = by_target[target]
+        if not all(set(r.users) <= chosen for r in readers):
+            continue  # read by something that must keep float32 (or int8) values
+        q, scale, zp = int8_weight(tensor)
+        set_attr(gm, target, q)
+        base = target.replace(".", "_")
+        scale_name, zp_name = unique_attr_name(gm, base + "_scale", sep="_"), unique_attr_name(gm, base + "_zp", sep="_")
+        gm.register_buffer(scale_name, scale)
+        gm.register_buffer(zp_name, zp)
+        for r in readers:
+            val = r.meta.pop("val", None)
+            r.meta.pop("tensor_meta", None)
+            with gm.graph.inserting_before(r.next):  # in this order, right after the weight
+                s_node = gm.graph.get_attr(scale_name)
+                z_node = gm.graph.get_attr(zp_name)
+                dq = gm.graph.call_function(_DQ_CHANNEL, (r, s_node, z_node, 0, *_INT8_RANGE, torch.int8))
+            if val is not None:
+                dq.meta["val"] = val  # float32, as the weight was
+            r.replace_all_uses_with(dq, delete_user_cb=lambda u, d=dq: u is not d)
+        done.add(target)
+        stored += 1
+    names_done = sorted({n.name for n in layers if _weight_attr(n) is None and _int8_source(n) in done})
+    if stored:
+        gm.meta[INT8_WEIGHTS_META_KEY] = sorted(set(gm.meta.get(INT8_WEIGHTS_META_KEY, ())) | set(names_done))
+        gm.graph.lint()
+        gm.recompile()
+    return stored
+
+
+def _int8_source(layer: Node) -> str | None:
+    """The int8 attribute behind ``layer``'s weight when it reads ``dequantize_per_channel(get_attr)``."""
+    ops = _operands(layer)
+    w = ops[1] if len(ops) > 1 else None
+    if isinstance(w, Node) and w.target is _DQ_CHANNEL and isinstance(w.args[0], Node) and w.args[0].op == "get_attr":
+        return str(w.args[0].target)
+    return None
+
+
 def _weight_source_target(layer: Node) -> str | None:
     ops = _operands(layer)
     src = bf16_weight_source(ops[1]) if len(ops) > 1 else None
     return str(src.target) if src is not None else None
 
 
-def finish_float_layers(gm: GraphModule, names=None) -> dict[str, int]:
+def finish_float_layers(gm: GraphModule, names=None, weights: str = "bf16") -> dict[str, int]:
     """Both steps on a converted graph, in place: :func:`drop_stray_qdq`, then
-    :func:`store_float_layers_bf16` for ``names`` (None: every float GEMM).
+    :func:`store_float_layers_bf16` (``weights="bf16"``) or :func:`store_float_layers_int8`
+    (``"int8"``) for ``names`` (None: every float GEMM).
 
     Returns:
-        ``{"stray_qdq_inputs": ..., "bf16_weights": ...}``.
+        ``{"stray_qdq_inputs": ..., "bf16_weights": ...}`` (``"int8_weights"`` for int8).
     """
-    return {"stray_qdq_inputs": drop_stray_qdq(gm), "bf16_weights": store_float_layers_bf16(gm, names)}
+    if weights not in ("bf16", "int8"):
+        raise ValueError(f"unknown float layer weights {weights!r}; use 'bf16' or 'int8'")
+    store = store_float_layers_bf16 if weights == "bf16" else store_float_layers_int8
+    return {"stray_qdq_inputs": drop_stray_qdq(gm), f"{weights}_weights": store(gm, names)}
 
 
 def finish_recorded_float_layers(converted: GraphModule) -> dict[str, int]:
@@ -225,5 +319,9 @@ def finish_recorded_float_layers(converted: GraphModule) -> dict[str, int]:
     For ``convert`` to call on its result, so that ``quantkit.quantize(model, ..., keep_float_quantizer)``
     rebuilds the fallback's artifact with its bf16 weights.
     """
-    names = [n.name for n in converted.graph.nodes if n.meta.get(KEEP_FLOAT_META_KEY) == "bf16"]
-    return finish_float_layers(converted, names) if names else {}
+    out: dict[str, int] = {}
+    for weights in ("bf16", "int8"):
+        names = [n.name for n in converted.graph.nodes if n.meta.get(KEEP_FLOAT_META_KEY) == weights]
+        if names:
+            out.update(finish_float_layers(converted, names, weights))
+    return out

@@ -109,7 +109,7 @@ def _float_annotation(quantizer: Quantizer) -> QuantizationAnnotation:
 
 
 # what the float layers' weights are stored in; "bf16" is applied after convert (pipeline/_float_fallback)
-FLOAT_WEIGHT_DTYPES = ("fp32", "bf16")
+FLOAT_WEIGHT_DTYPES = ("fp32", "bf16", "int8")
 # node meta KeepFloat(float_weights="bf16") leaves on each kept layer ("bf16"; node meta survives
 # prepare and convert, which rewrite the same graph), read by finish_recorded_float_layers
 KEEP_FLOAT_META_KEY = "quantkit_keep_float"
@@ -128,7 +128,9 @@ class KeepFloat(Quantizer):
         float_weights: ``"fp32"`` (default) leaves their weights as they are; ``"bf16"`` records on
             the graph that they are to be stored in bf16, which
             ``pipeline._float_fallback.finish_recorded_float_layers`` applies to the converted model
-            (half the bytes; see that module for the numerics).
+            (half the bytes; see that module for the numerics); ``"int8"`` that they are stored in
+            int8 per channel, read through a dequantize (a quarter of the bytes: the layer keeps its
+            float input, only its weight is rounded).
 
     Example:
         >>> q = KeepFloat(W8A8Quantizer(), ["linear_3"], float_weights="bf16")

@@ -20,12 +20,14 @@ way.
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Iterable
 
 import torch
 from torch.fx import GraphModule, Node
 
-from quantkit._graph import CHOOSE_QPARAMS_OPS, DEQUANTIZE_OPS, QUANTIZE_OPS, get_attr, is_observer_node
+from quantkit._graph import (CHOOSE_QPARAMS_OPS, DEQUANTIZE_OPS, QUANTIZE_OPS, get_attr, is_observer_node,
+                             unique_attr_name)
 from quantkit.observers import DerivedObserver
 from quantkit.quantizers import W8A8Quantizer
 
@@ -37,7 +39,7 @@ from ._inputs import call_model
 from ._layers import _MOVES, KeepFloat, Layer, find_layers
 from ._prepare import prepare
 
-__all__ = ["Variants", "fuse_qdq", "scoring_copy", "Resumed"]
+__all__ = ["Variants", "fuse_qdq", "scoring_copy", "Resumed", "SCORING_WEIGHTS_META_KEY"]
 
 
 def _producer(node: Node, modules: dict) -> str:
@@ -142,16 +144,16 @@ class Variants:
         prepared: ``model`` (a GraphModule) already prepared with ``quantizer`` and calibrated on
             ``calib_data`` (a search that scored the all-int8 recipe has one): it is used as it
             is (not modified) instead of preparing and calibrating again.
-        float_weights: ``"fp32"`` (default) or ``"bf16"``: what the kept-float layers' weights are
-            stored in (``KeepFloat(float_weights=...)``; bf16 also reads their inputs unrounded, see
+        float_weights: ``"fp32"`` (default), ``"bf16"`` or ``"int8"`` (per channel): what the kept-float
+            layers' weights are stored in (``KeepFloat(float_weights=...)``; bf16 and int8 also read their inputs unrounded, see
             ``pipeline/_float_fallback``). Scoring copies apply the same, so a search scores the
             artifact it will build.
     """
 
     def __init__(self, model: torch.nn.Module, example_inputs, calib_data: Iterable, quantizer, *,
                  prepared: GraphModule | None = None, float_weights: str = "fp32") -> None:
-        if float_weights not in ("fp32", "bf16"):
-            raise ValueError(f"unknown float_weights {float_weights!r}; use 'fp32' or 'bf16'")
+        if float_weights not in ("fp32", "bf16", "int8"):
+            raise ValueError(f"unknown float_weights {float_weights!r}; use 'fp32', 'bf16' or 'int8'")
         self.float_weights = float_weights
         if quantizer is None:
             quantizer = W8A8Quantizer()
@@ -163,6 +165,7 @@ class Variants:
             calibrate(prepared, calib_data, progress=False, distributed=False)  # every rank has all the data
         elif "quantkit_calibrated_batches" not in prepared.meta:
             raise ValueError("Variants(prepared=...) takes a calibrated prepared model; calibrate it first")
+        self.prepared = prepared  # calibrated (not modified): another Variants of it skips the calibration
         self._batches = prepared.meta["quantkit_calibrated_batches"]
         # convert leaves the prepared model (and so these observers) as they are
         self._groups = _observer_groups(prepared)
@@ -218,8 +221,8 @@ class Variants:
         cheap = self._rewire(names)
         if cheap is None:
             return self.build(names)
-        if self.float_weights == "bf16":  # what convert does for KeepFloat(float_weights="bf16")
-            finish_float_layers(cheap, sorted(names))
+        if self.float_weights != "fp32":  # what convert does for KeepFloat(float_weights=...)
+            finish_float_layers(cheap, sorted(names), self.float_weights)
         if self.cheap is None:  # the first one is checked against the real build, bit for bit
             real = self.build(names)
             self.cheap = _same(cheap, real, next(iter(self.calib_data)))
@@ -299,12 +302,62 @@ def _fake_quant(x: torch.Tensor, inv_scale: float, scale: float, zero_point: int
     return t.sub_(zero_point).mul_(scale)
 
 
+# id(int8 weight) -> (a weak reference to it, {(its dequantize's other arguments): the float32
+# weight}): the scoring copies of one search share their int8 weights, so each weight is dequantized
+# once per search; an entry goes with its weight (a WeakKeyDictionary would compare tensors with ==)
+_DEQUANTIZED: dict[int, tuple[weakref.ref, dict]] = {}
+# gm.meta key of a scoring copy: {float32 buffer name: the int8 weight attribute it stands for}
+SCORING_WEIGHTS_META_KEY = "quantkit_scoring_weights"
+
+
+def _memo_of(weight: torch.Tensor) -> dict:
+    entry = _DEQUANTIZED.get(id(weight))
+    if entry is None or entry[0]() is not weight:
+        entry = _DEQUANTIZED[id(weight)] = (weakref.ref(weight), {})
+        weakref.finalize(weight, _DEQUANTIZED.pop, id(weight), None)
+    return entry[1]
+
+
+def _constant_dequantize(gm: GraphModule, dq: Node) -> torch.Tensor | None:
+    """The float value of a ``dequantize`` whose tensor inputs are all attributes (a weight), computed
+    once by the op itself (so bit-equal to what every call computed); None for any other dequantize."""
+    if dq.kwargs or not dq.args or not all(not isinstance(a, Node) or a.op == "get_attr" for a in dq.args):
+        return None
+    values = [get_attr(gm, a.target) if isinstance(a, Node) else a for a in dq.args]
+    weight = values[0]
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.int8, torch.uint8):
+        return None
+    key = (dq.target, *(id(v) if isinstance(v, torch.Tensor) else v for v in values[1:]))
+    memo = _memo_of(weight)
+    hit = memo.get(key)
+    if hit is None or any(a is not b for a, b in zip(hit[0], values[1:])):  # ids reused: not the same qparams
+        with torch.no_grad():
+            hit = memo[key] = (tuple(values[1:]), dq.target(*values))
+    return hit[1]
+
+
 def fuse_qdq(gm: GraphModule) -> GraphModule:
     """In place: every static per-tensor ``quantize -> dequantize`` pair of ``gm`` (float32 in and
     out, 8-bit integers, the same qparams) becomes one :func:`_fake_quant` call: the same values,
     a third of the memory passes (issue 28: the q/dq of the reference graph were most of a scoring
-    forward on CPU). For scoring copies only: the graph no longer has the ops a lowering matches."""
+    forward on CPU); and every int8 weight's dequantize becomes its float32 value, computed once
+    (the per-channel dequantize of every weight at every call was a fifth of the default search).
+    For scoring copies only: the graph no longer has the ops a lowering matches."""
     for dq in list(gm.graph.nodes):
+        if dq.op == "call_function" and dq.target in DEQUANTIZE_OPS:
+            value = _constant_dequantize(gm, dq)
+            if value is not None:
+                # named after the int8 weight: every scoring copy names one weight alike (Resumed matches by name)
+                name = unique_attr_name(gm, "_qk_fp32_" + str(dq.args[0].target).replace(".", "_"), sep="_")
+                gm.register_buffer(name, value, persistent=False)
+                # what the artifact stores for it: the int8 weight (kept as an attribute, as its qparams are)
+                gm.meta.setdefault(SCORING_WEIGHTS_META_KEY, {})[name] = str(dq.args[0].target)
+                with gm.graph.inserting_before(dq):
+                    const = gm.graph.get_attr(name)
+                const.meta = dict(dq.meta)
+                dq.replace_all_uses_with(const)
+                gm.graph.erase_node(dq)
+                continue
         if dq.op != "call_function" or dq.target is not _DQ or dq.kwargs:
             continue
         q = dq.args[0]
