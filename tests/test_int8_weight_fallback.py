@@ -23,6 +23,7 @@ from quantkit.pipeline._layers import KeepFloat, source_dequantize
 from quantkit.pipeline._variants import Variants
 from quantkit.quantizers import W8A8Quantizer
 from tests.models import make_mlp, make_transformer
+from tests.test_mixed_precision import _node_outputs
 
 aten = torch.ops.aten
 DQ_CHANNEL = torch.ops.quantized_decomposed.dequantize_per_channel.default
@@ -37,21 +38,6 @@ def _ref_weight(w: torch.Tensor) -> torch.Tensor:
     w = w.detach().double()
     s = w.abs().amax(dim=1, keepdim=True) / 127
     return torch.clamp(torch.round(w / s), -127, 127) * s
-
-
-def _taps(gm, x, names):
-    out = {}
-
-    class Tap(torch.fx.Interpreter):
-        def run_node(self, n):
-            v = super().run_node(n)
-            if n.name in names:
-                out[n.name] = v
-            return v
-
-    with torch.no_grad():
-        Tap(gm).run(x)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +80,7 @@ def test_float_layers_store_int8_weights_read_through_one_dequantize(block):
 
 def test_int8_weight_layer_numerics_against_float64(block):
     model, x, reference, mixed = block
-    taps = _taps(mixed, x, {"layer_norm", "linear"})
+    taps = _node_outputs(mixed, x, {"layer_norm", "linear"})
     expect = taps["layer_norm"].double() @ _ref_weight(model.qkv.weight).T + model.qkv.bias.detach().double()
     rel = float((taps["linear"].double() - expect).norm() / expect.norm())
     assert rel < 1e-5, rel

@@ -110,18 +110,7 @@ class _Search:
 
         Tries 1, 2, 4, ... layers, then bisects; keeping every layer float always meets it.
         """
-        n, hi = len(order), 1
-        while hi < n and not self.ok(order[:hi]):
-            hi *= 2
-        hi = min(hi, n)
-        lo = hi // 2  # order[:lo] failed (or lo == 0)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self.ok(order[:mid]):
-                hi = mid
-            else:
-                lo = mid
-        return order[:hi]
+        return self._walk(order, 1)
 
     def prune(self, keep: list[str]) -> list[str]:
         """Verification pass: return each kept layer to int8 (least sensitive first) if the budget still holds."""

@@ -281,10 +281,13 @@ def layer_sqnr(float_model: torch.nn.Module, qmodel: GraphModule, batch, records
         if name not in float_out or name not in rec.seen or float_out[name].shape != rec.seen[name].shape:
             continue
         w = quantized.get(node.name)
+        weight = f"{w['dtype']} {w['qscheme'].replace('_', '-')}" if w else "float"
+        if w and w.get("float_input"):  # a fallback layer: its input unrounded, its weight int8
+            weight += ", float input"
         rows.append({
             "layer": name,
             "op": _LAYER_OPS[node.target],
-            "weight": f"{w['dtype']} {w['qscheme'].replace('_', '-')}" if w else "float",
+            "weight": weight,
             "sqnr_db": round(sqnr_db(float_out[name], rec.seen[name]), 2),
         })
     return rows

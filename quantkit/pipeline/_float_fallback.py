@@ -26,12 +26,12 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from .._graph import DEQUANTIZE_OPS, QUANTIZE_OPS, get_attr, set_attr, unique_attr_name
+from .._graph import DEQUANTIZE_OPS, QPARAMS_META_KEY, QUANTIZE_OPS, get_attr, set_attr, unique_attr_name
 from .._qmath import choose_qparams, quantize as qmath_quantize
 from ._layers import _FAMILIES, _MOVES, KEEP_FLOAT_META_KEY, source_dequantize
 
 __all__ = ["FLOAT_WEIGHTS_META_KEY", "INT8_WEIGHTS_META_KEY", "float_gemms", "drop_stray_qdq",
-           "store_float_layers_bf16", "store_float_layers_int8", "int8_weight",
+           "store_float_layers_bf16", "store_float_layers_int8", "int8_weight", "int8_weight_source",
            "finish_float_layers", "finish_recorded_float_layers", "bf16_weight_source"]
 
 aten = torch.ops.aten
@@ -148,6 +148,35 @@ def bf16_weight_source(node) -> Node | None:
     return src if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.bfloat16 else None
 
 
+def _chosen_float_layers(gm: GraphModule, names) -> list[Node]:
+    wanted = None if names is None else frozenset(names)
+    return [n for n in float_gemms(gm) if wanted is None or n.name in wanted]
+
+
+def _own_float32_weights(gm: GraphModule, layers: list[Node], ops=None):
+    """``(target, tensor, readers)`` for each float32 weight attribute of ``layers`` (those whose op is
+    in ``ops``, when given) that only ``layers`` read: one that a tied embedding or an int8 layer also
+    reads must keep its float32 values. Each attribute once."""
+    chosen = set(layers)
+    by_target: dict[str, list[Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            by_target.setdefault(str(node.target), []).append(node)
+    seen: set[str] = set()
+    for layer in layers:
+        w = _weight_attr(layer)
+        if w is None or str(w.target) in seen or (ops is not None and layer.target not in ops):
+            continue
+        target = str(w.target)
+        seen.add(target)
+        tensor = get_attr(gm, target)
+        if not (isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32):
+            continue
+        readers = by_target[target]
+        if all(set(r.users) <= chosen for r in readers):
+            yield target, tensor, readers
+
+
 def store_float_layers_bf16(gm: GraphModule, names=None) -> int:
     """Store the weights of ``gm``'s float GEMMs as bf16, each read through a cast to float32; in place.
 
@@ -169,25 +198,8 @@ def store_float_layers_bf16(gm: GraphModule, names=None) -> int:
         >>> store_float_layers_bf16(qm, ["linear_3"])
         1
     """
-    wanted = None if names is None else frozenset(names)
-    layers = [n for n in float_gemms(gm) if wanted is None or n.name in wanted]
-    chosen = set(layers)
-    by_target: dict[str, list[Node]] = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            by_target.setdefault(str(node.target), []).append(node)
-    stored, done = 0, set()
-    for layer in layers:
-        w = _weight_attr(layer)
-        if w is None or str(w.target) in done:
-            continue
-        target = str(w.target)
-        tensor = get_attr(gm, target)
-        if not (isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32):
-            continue
-        readers = by_target[target]
-        if not all(set(r.users) <= chosen for r in readers):
-            continue  # read by something that must keep float32 (or int8) values
+    layers, done, stored = _chosen_float_layers(gm, names), set(), 0
+    for target, tensor, readers in _own_float32_weights(gm, layers):
         set_attr(gm, target, tensor.to(torch.bfloat16))
         for r in readers:
             val = r.meta.pop("val", None)
@@ -238,26 +250,18 @@ def store_float_layers_int8(gm: GraphModule, names=None) -> int:
         >>> store_float_layers_int8(qm, ["linear_3"])
         1
     """
-    wanted = None if names is None else frozenset(names)
-    layers = [n for n in float_gemms(gm) if wanted is None or n.name in wanted]
-    chosen = set(layers)
-    by_target: dict[str, list[Node]] = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            by_target.setdefault(str(node.target), []).append(node)
-    stored, done = 0, set()
-    for layer in layers:
-        w = _weight_attr(layer)
-        if w is None or str(w.target) in done or layer.target not in _WEIGHT_AXIS0:
+    layers, done, stored = _chosen_float_layers(gm, names), set(), 0
+    for target, tensor, readers in _own_float32_weights(gm, layers, ops=_WEIGHT_AXIS0):
+        if tensor.dim() < 2:
             continue
-        target = str(w.target)
-        tensor = get_attr(gm, target)
-        if not (isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32 and tensor.dim() >= 2):
-            continue
-        readers = by_target[target]
-        if not all(set(r.users) <= chosen for r in readers):
-            continue  # read by something that must keep float32 (or int8) values
         q, scale, zp = int8_weight(tensor)
+        # quantization.json describes this int8 tensor as it does convert's (plus: its layer reads float)
+        users = sorted({u.name for r in readers for u in r.users})
+        gm.meta.setdefault(QPARAMS_META_KEY, []).append({
+            "node": f"{readers[0].name} -> {users[0]}", "kind": "weight", "dtype": "int8",
+            "qscheme": "per_channel_symmetric", "scale": scale.reshape(-1).tolist(),
+            "zero_point": zp.reshape(-1).tolist(), "quant_min": _INT8_RANGE[0], "quant_max": _INT8_RANGE[1],
+            "float_input": True})
         set_attr(gm, target, q)
         base = target.replace(".", "_")
         scale_name, zp_name = unique_attr_name(gm, base + "_scale", sep="_"), unique_attr_name(gm, base + "_zp", sep="_")
@@ -275,7 +279,7 @@ def store_float_layers_int8(gm: GraphModule, names=None) -> int:
             r.replace_all_uses_with(dq, delete_user_cb=lambda u, d=dq: u is not d)
         done.add(target)
         stored += 1
-    names_done = sorted({n.name for n in layers if _weight_attr(n) is None and _int8_source(n) in done})
+    names_done = sorted({n.name for n in layers if _weight_attr(n) is None and int8_weight_source(n) in done})
     if stored:
         gm.meta[INT8_WEIGHTS_META_KEY] = sorted(set(gm.meta.get(INT8_WEIGHTS_META_KEY, ())) | set(names_done))
         gm.graph.lint()
@@ -283,8 +287,9 @@ def store_float_layers_int8(gm: GraphModule, names=None) -> int:
     return stored
 
 
-def _int8_source(layer: Node) -> str | None:
-    """The int8 attribute behind ``layer``'s weight when it reads ``dequantize_per_channel(get_attr)``."""
+def int8_weight_source(layer: Node) -> str | None:
+    """The int8 attribute behind ``layer``'s weight when it reads ``dequantize_per_channel(get_attr)``
+    (what :func:`store_float_layers_int8` leaves; the graph's structure alone, so a reloaded one too)."""
     ops = _operands(layer)
     w = ops[1] if len(ops) > 1 else None
     if isinstance(w, Node) and w.target is _DQ_CHANNEL and isinstance(w.args[0], Node) and w.args[0].op == "get_attr":
