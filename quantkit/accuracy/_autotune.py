@@ -22,6 +22,8 @@ import torch
 from torch.fx import GraphModule
 
 from .._errors import QuantkitError
+from .._graph import get_attr
+from ..pipeline._variants import SCORING_WEIGHTS_META_KEY
 from ..quantizers._config import QuantConfig
 from ..quantizers._scheme import get_scheme
 from ._metrics import Evaluator, reiterable
@@ -240,9 +242,6 @@ def model_bytes(model: torch.nn.Module) -> int:
     element, float ones 4 (2 in bf16); the artifact's file adds its program and metadata. A scoring
     copy's float32 stand-ins for int8 weights (``pipeline._variants.fuse_qdq``) count as the int8
     weights they stand for."""
-    from quantkit._graph import get_attr
-    from quantkit.pipeline._variants import SCORING_WEIGHTS_META_KEY
-
     meta = getattr(model, "meta", None)
     stands_for = meta.get(SCORING_WEIGHTS_META_KEY, {}) if isinstance(meta, dict) else {}
     tensors = [t for name, t in list(model.named_parameters()) + list(model.named_buffers())

@@ -107,7 +107,7 @@ class _HeldOut:
 
 def _as_cli(auto, base, skip=(), float_weights=None):
     """The CLI recipe of an autotune recipe, keeping the user's --ops, --skip and --weight-observer
-    (``float_weights``: what the skipped layers' weights are stored in; the fallback's: bf16)."""
+    (``float_weights``: what the skipped layers' weights are stored in; the fallback's: int8 or bf16)."""
     return dataclasses.replace(base, activation=None, dynamic=auto.dynamic, granularity=auto.granularity,
                                float_weights=float_weights or base.float_weights,
                                observer="minmax" if auto.dynamic else auto.act_observer,

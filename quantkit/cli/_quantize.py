@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..export import _artifact
+from ..pipeline._layers import FLOAT_WEIGHT_DTYPES
 from ..quantizers._config import QuantConfig
 from ..quantizers._fp8 import FP8Config
 from ..quantizers._scheme import SchemeConfig, get_scheme
@@ -186,7 +187,7 @@ class Recipe:
                 raise inputs.UsageError(f"unknown op families {unknown} for --ops; choose from "
                                         f"{', '.join(sorted(QUANTIZABLE_OPS))} (comma-separated)")
         check_weight_algorithm(self.weight_algorithm, self.weight_only)
-        if self.float_weights not in ("fp32", "bf16", "int8"):
+        if self.float_weights not in FLOAT_WEIGHT_DTYPES:
             raise inputs.UsageError(f"unknown float weight dtype {self.float_weights!r}; use fp32, bf16 or int8")
         try:
             self.config()

@@ -250,7 +250,7 @@ def store_float_layers_int8(gm: GraphModule, names=None) -> int:
         >>> store_float_layers_int8(qm, ["linear_3"])
         1
     """
-    layers, done, stored = _chosen_float_layers(gm, names), set(), 0
+    layers, done = _chosen_float_layers(gm, names), set()
     for target, tensor, readers in _own_float32_weights(gm, layers, ops=_WEIGHT_AXIS0):
         if tensor.dim() < 2:
             continue
@@ -278,13 +278,12 @@ def store_float_layers_int8(gm: GraphModule, names=None) -> int:
                 dq.meta["val"] = val  # float32, as the weight was
             r.replace_all_uses_with(dq, delete_user_cb=lambda u, d=dq: u is not d)
         done.add(target)
-        stored += 1
-    names_done = sorted({n.name for n in layers if _weight_attr(n) is None and int8_weight_source(n) in done})
-    if stored:
+    names_done = sorted({n.name for n in layers if int8_weight_source(n) in done})
+    if done:
         gm.meta[INT8_WEIGHTS_META_KEY] = sorted(set(gm.meta.get(INT8_WEIGHTS_META_KEY, ())) | set(names_done))
         gm.graph.lint()
         gm.recompile()
-    return stored
+    return len(done)
 
 
 def int8_weight_source(layer: Node) -> str | None:
@@ -303,6 +302,10 @@ def _weight_source_target(layer: Node) -> str | None:
     return str(src.target) if src is not None else None
 
 
+# the weight dtypes a converted float layer can be stored in, and the function that stores them
+_STORES = {"bf16": store_float_layers_bf16, "int8": store_float_layers_int8}
+
+
 def finish_float_layers(gm: GraphModule, names=None, weights: str = "bf16") -> dict[str, int]:
     """Both steps on a converted graph, in place: :func:`drop_stray_qdq`, then
     :func:`store_float_layers_bf16` (``weights="bf16"``) or :func:`store_float_layers_int8`
@@ -311,10 +314,9 @@ def finish_float_layers(gm: GraphModule, names=None, weights: str = "bf16") -> d
     Returns:
         ``{"stray_qdq_inputs": ..., "bf16_weights": ...}`` (``"int8_weights"`` for int8).
     """
-    if weights not in ("bf16", "int8"):
+    if weights not in _STORES:
         raise ValueError(f"unknown float layer weights {weights!r}; use 'bf16' or 'int8'")
-    store = store_float_layers_bf16 if weights == "bf16" else store_float_layers_int8
-    return {"stray_qdq_inputs": drop_stray_qdq(gm), f"{weights}_weights": store(gm, names)}
+    return {"stray_qdq_inputs": drop_stray_qdq(gm), f"{weights}_weights": _STORES[weights](gm, names)}
 
 
 def finish_recorded_float_layers(converted: GraphModule) -> dict[str, int]:
@@ -325,7 +327,7 @@ def finish_recorded_float_layers(converted: GraphModule) -> dict[str, int]:
     rebuilds the fallback's artifact with its bf16 weights.
     """
     out: dict[str, int] = {}
-    for weights in ("bf16", "int8"):
+    for weights in _STORES:
         names = [n.name for n in converted.graph.nodes if n.meta.get(KEEP_FLOAT_META_KEY) == weights]
         if names:
             out.update(finish_float_layers(converted, names, weights))

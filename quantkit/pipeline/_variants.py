@@ -36,7 +36,7 @@ from ._capture import capture
 from ._convert import convert, convert_in_place
 from ._float_fallback import finish_float_layers
 from ._inputs import call_model
-from ._layers import _MOVES, KeepFloat, Layer, find_layers
+from ._layers import _MOVES, FLOAT_WEIGHT_DTYPES, KeepFloat, Layer, find_layers
 from ._prepare import prepare
 
 __all__ = ["Variants", "fuse_qdq", "scoring_copy", "Resumed", "SCORING_WEIGHTS_META_KEY"]
@@ -152,7 +152,7 @@ class Variants:
 
     def __init__(self, model: torch.nn.Module, example_inputs, calib_data: Iterable, quantizer, *,
                  prepared: GraphModule | None = None, float_weights: str = "fp32") -> None:
-        if float_weights not in ("fp32", "bf16", "int8"):
+        if float_weights not in FLOAT_WEIGHT_DTYPES:
             raise ValueError(f"unknown float_weights {float_weights!r}; use 'fp32', 'bf16' or 'int8'")
         self.float_weights = float_weights
         if quantizer is None:
@@ -351,7 +351,9 @@ def fuse_qdq(gm: GraphModule) -> GraphModule:
                 name = unique_attr_name(gm, "_qk_fp32_" + str(dq.args[0].target).replace(".", "_"), sep="_")
                 gm.register_buffer(name, value, persistent=False)
                 # what the artifact stores for it: the int8 weight (kept as an attribute, as its qparams are)
-                gm.meta.setdefault(SCORING_WEIGHTS_META_KEY, {})[name] = str(dq.args[0].target)
+                # a new dict: a copy's meta shares its source's objects (scoring_copy updates it shallowly)
+                gm.meta[SCORING_WEIGHTS_META_KEY] = {**gm.meta.get(SCORING_WEIGHTS_META_KEY, {}),
+                                                     name: str(dq.args[0].target)}
                 with gm.graph.inserting_before(dq):
                     const = gm.graph.get_attr(name)
                 const.meta = dict(dq.meta)
