@@ -3,7 +3,7 @@
 Every message is one line: what is wrong, then what to do about it.
 """
 
-__all__ = ["QuantkitError", "CaptureError", "CalibrationError", "ConvertError", "DistributedError"]
+__all__ = ["QuantkitError", "CaptureError", "CalibrationError", "ConvertError", "DistributedError", "KVCacheError"]
 
 
 class QuantkitError(ValueError):
@@ -24,3 +24,7 @@ class ConvertError(QuantkitError):
 
 class DistributedError(QuantkitError):
     """The ranks of a distributed run disagree (weights, recipe, data), or a rank failed or stopped."""
+
+
+class KVCacheError(QuantkitError):
+    """A call does not fit a program's static KV cache (too long, past its end, wrong batch)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["printable", "strip_ansi", "UNPRINTABLE"]
+__all__ = ["printable", "strip_ansi", "summarise", "UNPRINTABLE"]
 
 # C0 controls (tab, newline, carriage return included), DEL, the C1 controls U+0080-U+009F,
 # the bidirectional marks, embeddings, overrides and isolates of Unicode UAX #9 (U+061C,
@@ -55,3 +55,12 @@ def strip_ansi(text: str) -> str:
     printing it, which shows any other control character.
     """
     return _ANSI.sub("", text)
+
+
+def summarise(exc: BaseException, limit: int = 240) -> str:
+    """``"TypeName: first line"`` of an exception, the line cut to ``limit`` characters (with ``...``):
+    the one-line form of a library's long message (torch.export prints whole graphs)."""
+    first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    if len(first) > limit:
+        first = first[:limit - 3] + "..."
+    return f"{type(exc).__name__}: {first}"

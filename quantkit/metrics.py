@@ -17,12 +17,10 @@ import torch
 
 from ._errors import QuantkitError
 from .accuracy._metrics import METRICS, embedding_cosine, logits_kl, resolve_metric, top1_agreement
+from .pipeline import kv_cache_info
 
 __all__ = ["embedding_cosine", "logits_kl", "top1_agreement", "METRICS", "resolve_metric", "perplexity",
            "resolve_window", "DEFAULT_WINDOW"]
-
-# gm.meta key of a program captured with max_cache_len (quantkit.pipeline._kv_capture.KV_CACHE_META_KEY)
-_KV_META = "quantkit_kv_cache"
 
 
 def _token_stream(token_ids) -> torch.Tensor:
@@ -35,12 +33,6 @@ def _token_stream(token_ids) -> torch.Tensor:
     if ids.numel() < 2:
         raise QuantkitError(f"perplexity needs at least 2 tokens, got {ids.numel()}")
     return ids.to(torch.long)
-
-
-def _kv_info(model) -> dict | None:
-    meta = getattr(model, "meta", None)
-    info = meta.get(_KV_META) if isinstance(meta, dict) else None
-    return info if isinstance(info, dict) else None
 
 
 def _device(model) -> torch.device:
@@ -90,7 +82,7 @@ def _keyword_inputs(program) -> list[str]:
 def _runner(model):
     """``run(ids [B, L]) -> logits [B, L, V]`` for an HF causal LM, a full-sequence program or a KV
     program (called with ``cache_position = arange(L)``: each window is a fresh sequence)."""
-    info = _kv_info(model)
+    info = kv_cache_info(model)
     if info is not None:
         return lambda ids: model(ids, torch.arange(ids.shape[1], device=ids.device)), info
     names = _keyword_inputs(model)
@@ -114,7 +106,7 @@ DEFAULT_WINDOW = 256
 def resolve_window(model_or_program: Any) -> int:
     """The window :func:`perplexity` uses with ``window=None``: the sequence length a full-sequence
     program was captured with, else 256 tokens, at most a KV program's ``max_cache_len``."""
-    info = _kv_info(model_or_program)
+    info = kv_cache_info(model_or_program)
     if info is not None:
         return min(DEFAULT_WINDOW, int(info["max_cache_len"]))
     return _fixed_length(model_or_program) or DEFAULT_WINDOW

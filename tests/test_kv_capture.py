@@ -218,3 +218,14 @@ def test_quantized_cache_save_load(llm, tokens, tmp_path):
     stores = [buffers[n] for n in info["buffers"] if n.endswith(("_keys", "_values"))]
     assert len(stores) == 2 * llm.config.num_hidden_layers and all(t.dtype == torch.int8 for t in stores)
     torch.testing.assert_close(prefill_then_decode(loaded, tokens[:, :8], prompt=5), expected, atol=0, rtol=0)
+
+
+def test_prepared_and_converted_keep_the_length_check(program, converted):
+    """prepare and convert build new modules: the too-long call is still a one-line KVCacheError
+    (not torch.export's guard error) on each, and on a fresh prepare of the same program."""
+    prepared = quantkit.prepare(program, _scheme("w8a8").quantizer())
+    too_long = (torch.zeros(B, N + 1, dtype=torch.long), torch.arange(N + 1))
+    for gm in (prepared, converted("w8a8")):
+        with pytest.raises(KVCacheError, match=f"a prompt of {N + 1} tokens does not fit the KV cache of "
+                                               f"max_cache_len={N}"):
+            gm(*too_long)

@@ -145,6 +145,9 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
     mem.add_argument("--resume", action=argparse.BooleanOptionalAction, default=False,
                      help="continue an interrupted block-by-block run from its last completed block "
                           "(--no-resume: start over, discarding quantkit's own progress directory)")
+    q.add_argument("--max-cache-len", type=int, metavar="N",
+                   help="HF causal LMs: capture with a static KV cache of N positions, so that `quantkit generate "
+                        "DIR` runs the artifact (with --kv-cache the cache is stored in that format)")
     q.add_argument("--force", action="store_true", help="replace DIR if it holds a quantkit artifact")
     q.add_argument("--quiet", action="store_true", help="no progress bars or summary")
 

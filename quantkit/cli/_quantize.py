@@ -383,6 +383,12 @@ def run_quantize(args, say) -> int:
 
     import quantkit
 
+    if getattr(args, "max_cache_len", None) is not None:  # a generating artifact: capture with a static KV cache
+        from . import _quantize_lm
+
+        return _quantize_lm.run_quantize_lm(args, recipe, spec, data, out, loaded, calib, heldout, module_names,
+                                            samples=len(samples), heldout_indices=split.heldout,
+                                            tokenizer_dir=TOKENIZER_DIR, say=say)
     # torch.export prints the partial graph to stderr when it fails; CaptureError says why in one line
     with contextlib.redirect_stderr(io.StringIO()):
         if spec.is_hf:

@@ -9,6 +9,7 @@ import torch
 from torch.export import Dim
 
 from .._errors import CaptureError
+from .._text import summarise
 from ._inputs import as_args_kwargs
 from ._kv_capture import capture_with_cache
 
@@ -48,14 +49,6 @@ def _double_batch(value: Any):
     if isinstance(value, dict):
         return {k: _double_batch(v) for k, v in value.items()}
     return value
-
-
-def _summarise(exc: BaseException) -> str:
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    first = lines[0] if lines else type(exc).__name__
-    if len(first) > 240:
-        first = first[:237] + "..."
-    return f"{type(exc).__name__}: {first}"
 
 
 def _hint(exc: BaseException) -> str:
@@ -161,7 +154,7 @@ def capture(model: torch.nn.Module, example_inputs: Any, *, dynamic_shapes=None,
                 ep = _export(model, args, kwargs, dynamic_shapes)
     except Exception as exc:  # torch.export raises many types; summarise them all
         raise CaptureError(
-            f"torch.export could not capture {type(model).__name__}: {_summarise(exc)}. Hint: {_hint(exc)}"
+            f"torch.export could not capture {type(model).__name__}: {summarise(exc)}. Hint: {_hint(exc)}"
         ) from exc
     gm = ep.module()
     gm.meta[CAPTURE_META_KEY] = {"args": args, "kwargs": kwargs, "dynamic_shapes": dynamic_shapes}

@@ -27,21 +27,19 @@ from typing import Any
 import torch
 from torch.export import Dim
 
-from .._errors import CaptureError, QuantkitError
+from quantkit.quantizers._fp8 import KV_CACHE_FORMATS
+
+from .._errors import CalibrationError, CaptureError, KVCacheError, QuantkitError
+from .._text import summarise
 from ._inputs import as_args_kwargs
 from ._kv_cache import build_static_cache
 
 __all__ = ["KV_CACHE_META_KEY", "KVCacheError", "capture_with_cache", "kv_cache_info", "check_fits",
-           "install_length_check", "resolve_buffers", "KV_FORMATS"]
+           "install_length_check", "resolve_buffers", "example_batch_size", "lm_calibration_batches"]
 
 KV_CACHE_META_KEY = "quantkit_kv_cache"
-KV_FORMATS = (None, "int8", "fp8_e4m3", "fp8_e5m2")
 # cache-layer attributes that count written tokens: derived from cache_position on each call, not state
 _COUNTERS = frozenset({"cumulative_length"})
-
-
-class KVCacheError(QuantkitError):
-    """A call does not fit the program's static KV cache (too long, past its end, wrong batch)."""
 
 
 def _causal_lm_config(model: torch.nn.Module):
@@ -73,6 +71,62 @@ def _input_ids(example_inputs: Any) -> torch.Tensor:
         raise CaptureError("with max_cache_len, example_inputs must be token ids [batch, length] (a LongTensor) "
                            "or a tokenizer dict with input_ids")
     return ids.to(torch.long).contiguous()  # a strided view would put its stride in the guards
+
+
+def example_batch_size(example_inputs: Any) -> int:
+    """The batch of the token ids in ``example_inputs``: the batch a KV program is captured for."""
+    return int(_input_ids(example_inputs).shape[0])
+
+
+def _ids_and_mask(batch: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(batch, dict):
+        ids, mask = batch.get("input_ids"), batch.get("attention_mask")
+    elif isinstance(batch, (tuple, list)) and batch:
+        ids, mask = batch[0], None
+    else:
+        ids, mask = batch, None
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype.is_floating_point:
+        raise CalibrationError(f"a calibration batch of a KV-cache program must be token ids [batch, length] (a "
+                               f"LongTensor, (ids,), (ids, cache_position) or a dict with input_ids); got "
+                               f"{type(ids).__name__} {list(getattr(ids, 'shape', []))}")
+    return ids.to(torch.long), mask
+
+
+def lm_calibration_batches(batches, *, batch_size: int, max_cache_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(input_ids, cache_position)`` batches of full sequences for a KV program of batch ``batch_size``.
+
+    Each batch's rows start a fresh sequence at ``cache_position = arange(L)`` (what calibration of a
+    KV program feeds). A batch of another size than the program's is taken row by row when the
+    program's batch is 1, each row without its padding (``attention_mask == 0``); a batch already
+    given as ``(ids, cache_position)`` keeps its positions.
+
+    Raises:
+        CalibrationError: no batches, a batch that is not token ids, another batch size than the
+            program's (which is not 1), or a sequence longer than ``max_cache_len`` (one line).
+    """
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for batch in batches:
+        ids, mask = _ids_and_mask(batch)
+        given = batch[1] if isinstance(batch, (tuple, list)) and len(batch) == 2 else None
+        if ids.shape[0] == batch_size and (mask is None or bool(mask.bool().all())):
+            rows = [(ids, given)]
+        elif batch_size == 1:
+            keep = mask.bool() if mask is not None else torch.ones_like(ids, dtype=torch.bool)
+            rows = [(ids[i][keep[i]].unsqueeze(0), None) for i in range(ids.shape[0]) if bool(keep[i].any())]
+        else:
+            raise CalibrationError(f"the program's KV cache holds a batch of {batch_size}, but a calibration batch "
+                                   f"has {ids.shape[0]} unpadded rows; batch the calibration data by {batch_size} "
+                                   "(or capture with a batch-1 example)")
+        for row, positions in rows:
+            if row.shape[1] > max_cache_len:
+                raise CalibrationError(f"a calibration sequence has {row.shape[1]} tokens, more than "
+                                       f"max_cache_len={max_cache_len}; cut the sequences to at most "
+                                       f"{max_cache_len} tokens or capture a longer cache")
+            pos = positions if isinstance(positions, torch.Tensor) else torch.arange(row.shape[1], device=row.device)
+            out.append((row, pos))
+    if not out:
+        raise CalibrationError("calibration got no batches; pass at least one batch of token ids")
+    return out
 
 
 def _check_length(max_cache_len, config, length: int) -> int:
@@ -161,11 +215,6 @@ def _drop_dead_counter_updates(gm: torch.fx.GraphModule) -> int:
     return len(dead)
 
 
-def _summarise(exc: BaseException) -> str:
-    first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-    return f"{type(exc).__name__}: {first[:237] + '...' if len(first) > 240 else first}"
-
-
 def capture_with_cache(model: torch.nn.Module, example_inputs: Any, *, max_cache_len: int,
                        kv_cache: str | None = None, kv_scales=None) -> tuple[torch.fx.GraphModule, dict]:
     """Export a causal LM with a static KV cache of ``max_cache_len`` positions (see the module doc).
@@ -192,8 +241,8 @@ def capture_with_cache(model: torch.nn.Module, example_inputs: Any, *, max_cache
     config = _causal_lm_config(model)
     ids = _input_ids(example_inputs)
     n = _check_length(max_cache_len, config, ids.shape[1])
-    if kv_cache not in KV_FORMATS:
-        raise CaptureError(f"kv_cache must be one of {', '.join(map(str, KV_FORMATS[1:]))} or None, got {kv_cache!r}")
+    if kv_cache is not None and kv_cache not in KV_CACHE_FORMATS:
+        raise CaptureError(f"kv_cache must be one of {', '.join(KV_CACHE_FORMATS)} or None, got {kv_cache!r}")
     batch = int(ids.shape[0])
     num_layers, kv_heads, head_dim = _kv_shape(config)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -214,7 +263,7 @@ def capture_with_cache(model: torch.nn.Module, example_inputs: Any, *, max_cache
             ep = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as exc:  # torch.export raises many types; summarise them all
         raise CaptureError(f"torch.export could not capture {type(model).__name__} with a static KV cache: "
-                           f"{_summarise(exc)}") from exc
+                           f"{summarise(exc)}") from exc
     gm = ep.module()
     _drop_dead_counter_updates(gm)
     granularity = getattr(kv_scales, "granularity", None) if kv_cache is not None else None
