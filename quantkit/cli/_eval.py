@@ -4,21 +4,19 @@ An artifact's JSON files are untrusted input: every field is checked before use,
 eval never imports code an artifact names. The float model of a factory artifact is
 rebuilt only from ``eval --model MODULE:FACTORY``; an HF model directory it records is
 data (loaded with transformers' own classes, never with custom code).
+
+What is read of an artifact is ``_eval_source``'s; a causal LM given ``--data FILE.txt`` (and any
+program with a KV cache) is measured by ``_eval_lm`` (perplexity, decode tokens/s).
 """
 
 from __future__ import annotations
 
 import json
-import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .. import _hf
 from ..export import _artifact
-from ..generation import generate_with_stats
-from ..metrics import perplexity, resolve_window
 from ..lowering._bf16 import bf16_supported
 from ..lowering._weight_only import kernel_choices
 from . import _data as datasets, _inputs as inputs, _report as report
@@ -26,32 +24,10 @@ from ._markdown import render_table
 from ._quantize import REPORT_JSON, TOKENIZER_DIR
 from .._errors import QuantkitError
 from .._text import printable
+from ._eval_lm import is_causal_lm, run_perplexity
+from ._eval_source import Source, damaged, float_spec, load_program, read_artifact, read_source
 
-__all__ = ["run_inspect", "run_eval", "run_perplexity"]
-
-
-def _damaged(path: Path, why: str) -> QuantkitError:
-    return QuantkitError(f"{str(path)!r} is damaged: {why}; re-run quantkit quantize to rewrite the artifact")
-
-
-def _read_artifact(directory: str, args, warn) -> tuple[Path, dict]:
-    """The checked artifact at ``directory`` and its ``quantization.json``. With
-    ``--allow-unverified`` one that cannot be verified is read too, and ``warn`` says so."""
-    path = Path(directory)
-    if not path.is_dir():
-        raise QuantkitError(f"{directory!r} is not a directory; pass the --out directory of quantkit quantize")
-    # both files, quantkit's format and format_version, model.pt2's SHA-256, nothing unsafe
-    doc = _artifact.verify_artifact(path, allow_unverified=args.allow_unverified, flag="--allow-unverified")
-    reason = _artifact.unverified_reason(doc)
-    if reason is not None:
-        warn(f"quantkit: warning: {str(path)!r} is not verified ({reason}); read because of --allow-unverified")
-    for key, kind in (("recipe", dict), ("source", dict), ("versions", dict), ("tensors", list)):
-        if key in doc and not isinstance(doc[key], kind):
-            raise _damaged(path / _artifact.RECIPE_FILE, f"field {key!r} is {type(doc[key]).__name__}, "
-                                                         f"not {'an object' if kind is dict else 'a list'}")
-    if not all(isinstance(t, dict) for t in doc.get("tensors", [])):
-        raise _damaged(path / _artifact.RECIPE_FILE, "'tensors' holds entries that are not objects")
-    return path, doc
+__all__ = ["run_inspect", "run_eval", "run_perplexity"]  # run_perplexity: _eval_lm's
 
 
 # --- inspect -----------------------------------------------------------------------------
@@ -77,12 +53,12 @@ def _read_report(path: Path) -> dict:
         return {}
     rep = _artifact.read_json(file)
     if not isinstance(rep, dict):
-        raise _damaged(file, f"it holds {type(rep).__name__}, not an object")
+        raise damaged(file, f"it holds {type(rep).__name__}, not an object")
     for key, kind in (("metric", dict), ("size", dict), ("layers", list)):
         if key in rep and not isinstance(rep[key], kind):
-            raise _damaged(file, f"field {key!r} is {type(rep[key]).__name__}")
+            raise damaged(file, f"field {key!r} is {type(rep[key]).__name__}")
     if not all(isinstance(r, dict) for r in rep.get("layers", [])):
-        raise _damaged(file, "'layers' holds entries that are not objects")
+        raise damaged(file, "'layers' holds entries that are not objects")
     return rep
 
 
@@ -96,7 +72,7 @@ def _printable(say):
 def run_inspect(args, say, warn) -> int:
     """Print a summary of the artifact ``args.dir`` with ``say``; ``warn`` gets notes (stderr)."""
     say = _printable(say)
-    path, doc = _read_artifact(args.dir, args, _printable(warn))
+    path, doc = read_artifact(args.dir, args, _printable(warn))
     rep = _read_report(path)
     recipe, source = doc.get("recipe", {}), doc.get("source", {})
     size = (path / _artifact.MODEL_FILE).stat().st_size
@@ -152,75 +128,7 @@ def run_inspect(args, say, warn) -> int:
 
 # --- eval --------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Source:
-    """quantization.json's ``source``, checked field by field."""
-
-    model: inputs.ModelSpec
-    data: datasets.DataSpec
-    fingerprint: str
-    samples: int
-    heldout: list[int]
-    seq_len: int
-    batch_size: int
-    allow_missing_weights: bool
-
-
-def _source(path: Path, doc: dict) -> _Source:
-    src = doc.get("source")
-    if not src:
-        raise QuantkitError(f"{str(path)!r} was saved from Python and does not record its float model; "
-                            "eval needs an artifact written by quantkit quantize")
-    file = path / _artifact.RECIPE_FILE
-
-    def field(key, kind, check=lambda v: True, default=None):
-        v = src.get(key, default)
-        if not isinstance(v, kind) or isinstance(v, bool) is not (kind is bool) or not check(v):
-            raise _damaged(file, f"source.{key} is {v!r}")
-        return v
-
-    samples = field("samples", int, lambda v: v >= 1)
-    data = src.get("data", {})
-    if not isinstance(data, dict) or data.get("kind", "default") not in ("default", "text", "tensors") \
-            or not isinstance(data.get("path", ""), str) or (data.get("kind") in ("text", "tensors") and "path" not in data):
-        raise _damaged(file, f"source.data is {data!r}")
-    heldout = field("heldout", list, lambda v: v and all(isinstance(i, int) and not isinstance(i, bool)
-                                                        and 0 <= i < samples for i in v))
-    return _Source(
-        model=inputs.ModelSpec.from_json(src.get("model")),
-        data=datasets.DataSpec.from_json(data),
-        fingerprint=field("fingerprint", str),
-        samples=samples,
-        heldout=heldout,
-        seq_len=field("seq_len", int, lambda v: v >= 2, 128),
-        batch_size=field("batch_size", int, lambda v: v >= 1, 32),
-        allow_missing_weights=field("allow_missing_weights", bool, default=False),
-    )
-
-
-def _float_spec(args, source: _Source) -> inputs.ModelSpec:
-    """The float model to compare with: ``--model`` if given, else the recorded HF model.
-    A factory is imported only when ``--model`` names it (never from the artifact)."""
-    recorded = source.model
-    if args.model is None:
-        for flag, v in (("--weights", args.weights), ("--example-input", args.example_input), ("--task", args.task)):
-            if v is not None:
-                raise inputs.UsageError(f"{flag} applies with --model only")
-        if recorded.kind == "factory":
-            raise inputs.UsageError(
-                f"this artifact's float model comes from the factory {recorded.factory!r}; eval does not import "
-                f"code an artifact names: pass --model {recorded.factory} if you trust that code")
-        return recorded
-    if inputs.is_factory_name(args.model):
-        same = recorded.kind == "factory"
-        weights = args.weights or (recorded.weights if same else None)
-        example = args.example_input or (recorded.example_input if same else None)
-        return inputs.ModelSpec.from_args(args.model, weights, example, "auto")
-    task = args.task or (recorded.task if recorded.is_hf else "auto")
-    return inputs.ModelSpec.from_args(args.model, args.weights, args.example_input, task)
-
-
-def _eval_samples(source: _Source, data_arg: str | None, example_ndims):
+def _eval_samples(source: Source, data_arg: str | None, example_ndims):
     if data_arg is not None:
         data = datasets.DataSpec.from_arg(data_arg)
         samples, origins = datasets.read_samples(data, example_ndims=example_ndims)
@@ -235,21 +143,6 @@ def _eval_samples(source: _Source, data_arg: str | None, example_ndims):
         raise QuantkitError("the calibration data changed since quantize, so its held-out split is lost; "
                             "pass --data PATH to evaluate on other data")
     return [samples[i] for i in source.heldout], [origins[i] for i in source.heldout], "held-out split"
-
-
-def _load_int8(path: Path, device: torch.device, *, allow_unverified: bool):
-    """The artifact's int8 program as a module on ``device`` (artifacts are saved for CPU)."""
-    with warnings.catch_warnings():  # _read_artifact has said it is not verified
-        warnings.simplefilter("ignore", _artifact.UnverifiedWarning)
-        # verified and read without unpickling (quantkit.export._safe_pt2)
-        module = _artifact.load(path, allow_unverified=allow_unverified)
-    if device.type == "cpu":
-        return module
-    from torch.export.passes import move_to_device_pass
-
-    moved = move_to_device_pass(module.meta[_artifact.PROGRAM_META_KEY], device).module()
-    moved.meta["quantkit_converted"] = True
-    return moved
 
 
 class _FrozenFloat(torch.nn.Module):
@@ -341,15 +234,15 @@ def run_eval(args, say, warn) -> int:
     """Compare the artifact ``args.dir`` with its float model; results go to ``say``, notes to ``warn``."""
     say, warn = _printable(say), _printable(warn)
     device = _check_eval_args(args)
-    path, doc = _read_artifact(args.dir, args, warn)
-    if _is_causal_lm(doc, args):
+    path, doc = read_artifact(args.dir, args, warn)
+    if is_causal_lm(doc, args):
         return run_perplexity(path, doc, args, say, warn, device)
     for flag, v in (("--tokenizer", args.tokenizer), ("--window", args.window), ("--stride", args.stride),
                     ("--max-tokens", args.max_tokens)):
         if v is not None:
             raise inputs.UsageError(f"{flag} applies to causal LMs evaluated on a text file (--data FILE.txt) only")
-    source = _source(path, doc)
-    spec = _float_spec(args, source)
+    source = read_source(path, doc)
+    spec = float_spec(args, source)
     spec.check()
     progress = not args.quiet
     ndims = [len(s) for s, _ in inputs.parse_example_input(spec.example_input)] if spec.kind == "factory" else None
@@ -382,7 +275,7 @@ def run_eval(args, say, warn) -> int:
                                   origins=origins)
     batches = [datasets.to_device(b, device) for b in batches]
     where_of = [origins[i:i + batch_size] for i in range(0, len(origins), batch_size)]
-    qmodel = _load_int8(path, device, allow_unverified=args.allow_unverified)
+    qmodel = load_program(path, device, allow_unverified=args.allow_unverified)
 
     note = bf16_note = None
     timed = {"float (eager)": loaded.model, "int8 (q/dq reference)": qmodel}
@@ -445,184 +338,4 @@ def run_eval(args, say, warn) -> int:
         say(line)
     if note:
         say(f"(compiled models not timed: {note}; timed the eager reference instead)")
-    return 0
-
-
-# --- eval of a causal LM: perplexity and decode speed ---------------------------------------
-
-DECODE_PROMPT, DECODE_TOKENS = 32, 32  # the timed generation: prompt tokens, new tokens (greedy)
-
-
-def _recorded_causal_lm(doc: dict, args) -> bool:
-    """Whether the float model (``--model``, else the one quantization.json records) is an HF causal LM:
-    an architecture transformers can generate with, not an encoder-decoder."""
-    if args.model is not None:
-        if inputs.is_factory_name(args.model):
-            return False
-        path, task = Path(args.model), args.task or "auto"
-    else:
-        model = (doc.get("source") or {}).get("model")
-        if not isinstance(model, dict) or model.get("kind") != "hf" or not isinstance(model.get("path"), str):
-            return False
-        path, task = Path(model["path"]), model.get("task", "auto")
-    if task == "causal-lm":
-        return True
-    if task != "auto" or not (path / "config.json").is_file():
-        return False
-    try:
-        cls, _ = _hf.model_class(path, "auto")
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (QuantkitError, OSError, ValueError):
-        return False  # the comparison path reports a broken float model in its own words
-    return cls.can_generate() and not config.get("is_encoder_decoder", False)
-
-
-def _is_causal_lm(doc: dict, args) -> bool:
-    """eval measures perplexity for a program with a KV cache (always), and for a causal LM given
-    a text file (``--data FILE``): one whose float model (recorded, or ``--model``) is an HF causal
-    LM, or one saved from Python (no float model recorded) given ``--tokenizer``. A causal LM
-    without ``--data`` is compared with its float model, as any other model."""
-    if isinstance(doc.get("kv_cache"), dict):
-        return True
-    if args.data is None or Path(args.data).is_dir():
-        return False
-    if not doc.get("source") and args.model is None:
-        return args.tokenizer is not None
-    return _recorded_causal_lm(doc, args)
-
-
-def _read_text(arg: str | None) -> tuple[Path, str]:
-    """The text of ``--data``: an existing, non-empty UTF-8 file (one line of error otherwise)."""
-    if arg is None:
-        raise inputs.UsageError("this artifact is a causal LM with a KV cache: pass --data FILE.txt (held-out "
-                                "text) to measure its perplexity")
-    path = Path(arg)
-    if not path.exists():
-        raise QuantkitError(f"--data {arg!r} does not exist; pass a UTF-8 text file of held-out text")
-    if not path.is_file():
-        raise QuantkitError(f"--data {arg!r} is not a file; perplexity is measured on one UTF-8 text file")
-    raw = path.read_bytes()
-    if b"\0" in raw:
-        raise QuantkitError(f"--data {arg!r} is binary (it holds NUL bytes), not text; pass a UTF-8 text file")
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise QuantkitError(f"--data {arg!r} is not UTF-8 text (byte {exc.start}); pass a UTF-8 text file") from None
-    if not text.strip():
-        raise QuantkitError(f"--data {arg!r} is empty; pass a file of held-out text")
-    return path, text
-
-
-def _tokenizer(path: Path, doc: dict, args):
-    """``--tokenizer``, else the artifact's ``tokenizer/``, else the recorded HF model's own."""
-    import transformers
-
-    candidates = [Path(args.tokenizer)] if args.tokenizer else [path / TOKENIZER_DIR]
-    model = (doc.get("source") or {}).get("model")
-    if not args.tokenizer and isinstance(model, dict) and model.get("kind") == "hf" and isinstance(model.get("path"), str):
-        candidates.append(Path(model["path"]))
-    for folder in candidates:
-        if folder.is_dir() and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
-                                                                   "vocab.txt", "tokenizer.model")):
-            try:
-                return transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
-                                                                  trust_remote_code=False)
-            except Exception as exc:  # a damaged tokenizer folder: one line
-                raise QuantkitError(f"the tokenizer in {str(folder)!r} does not load ({' '.join(str(exc).split())[:150]}); "
-                                    "pass --tokenizer DIR (an HF tokenizer directory)") from None
-        if args.tokenizer:
-            raise QuantkitError(f"--tokenizer {args.tokenizer!r} is not a tokenizer directory (no tokenizer.json "
-                                "or tokenizer_config.json); pass the HF model or tokenizer directory")
-    raise QuantkitError(f"{str(path)!r} holds no tokenizer (no {TOKENIZER_DIR}/ folder) and records no HF model "
-                        "that has one; pass --tokenizer DIR (an HF tokenizer directory)")
-
-
-def _float_lm(path: Path, doc: dict, args):
-    """(the float model to compare with, None) or (None, why not)."""
-    if doc.get("source"):
-        source = _source(path, doc)
-        spec, allow = _float_spec(args, source), source.allow_missing_weights
-    elif args.model is not None:
-        spec, allow = inputs.ModelSpec.from_args(args.model, args.weights, args.example_input, args.task or "auto"), False
-    else:
-        return None, "no float model to compare with (the artifact was saved from Python): pass --model DIR"
-    spec.check()
-    return inputs.load_model(spec, progress=False, allow_mismatch=allow).model.eval(), None
-
-
-def _decode_speed(program, ids: torch.Tensor, info: dict, compile_: bool) -> tuple[dict | None, str | None]:
-    """Greedy prefill and decode tokens/s of a KV program (``generation.generate_with_stats``, after its
-    warm-up: compilation is not timed): (numbers, None), or (None, why not)."""
-    prompt_len = max(1, min(DECODE_PROMPT, info["max_cache_len"] // 2, ids.shape[1]))
-    new = min(DECODE_TOKENS, info["max_cache_len"] - prompt_len + 1)
-    if new < 2:
-        return None, f"decode tokens/s not measured: the KV cache of {info['max_cache_len']} positions is too short"
-    prompt = ids[:, :prompt_len].expand(int(info["batch_size"]), -1).contiguous()
-    _, stats = generate_with_stats(program, prompt, new, compile=compile_, warmup=True)  # greedy, no eos
-    return {"prompt_tokens": stats.prompt_tokens, "new_tokens": stats.new_tokens, "batch_size": stats.batch_size,
-            "compiled": compile_, "compile_s": round(stats.compile_s, 2),
-            "prefill_tokens_per_s": round(stats.prefill_tokens_per_s, 1),
-            "decode_tokens_per_s": round(stats.decode_tokens_per_s, 1)}, None
-
-
-def run_perplexity(path: Path, doc: dict, args, say, warn, device: torch.device) -> int:
-    """``quantkit eval DIR --data FILE.txt`` of a causal LM: the program's perplexity on the file (and the
-    float model's, when it can be rebuilt), and decode tokens/s when the program has a KV cache."""
-    kv = doc.get("kv_cache") if isinstance(doc.get("kv_cache"), dict) else None
-    if args.num is not None:
-        raise inputs.UsageError("--num counts samples; a causal LM's perplexity takes --max-tokens N")
-    for flag, v in (("--window", args.window), ("--stride", args.stride), ("--max-tokens", args.max_tokens)):
-        if v is not None and v < (2 if flag != "--stride" else 1):
-            raise inputs.UsageError(f"{flag} must be at least {2 if flag != '--stride' else 1}, got {v}")
-    data, text = _read_text(args.data)
-    tokenizer = _tokenizer(path, doc, args)
-    # one stream, longer than the tokenizer's model_max_length: windows cut it (its warning is no error here)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ids = tokenizer(text, return_tensors="pt", verbose=False).input_ids
-    if args.max_tokens is not None:
-        ids = ids[:, :args.max_tokens]
-    if ids.shape[1] < 2:
-        raise QuantkitError(f"--data {args.data!r} gives {ids.shape[1]} token; perplexity needs at least 2")
-    program = _load_int8(path, device, allow_unverified=args.allow_unverified)
-    batch_size = args.batch_size or 1
-    # the default window: the program's own length (a full-sequence program), else 256 within a KV cache
-    window = args.window or resolve_window(program)
-    if args.stride is not None and args.stride > window:
-        raise inputs.UsageError(f"--stride must be at most the window ({window}), got {args.stride}")
-    result = {"data": str(data), "tokens": int(ids.shape[1]), "window": window, "stride": args.stride or window,
-              "device": str(device)}
-    result["perplexity"] = perplexity(program, ids, window=window, stride=args.stride, batch_size=batch_size)
-    float_model, why = _float_lm(path, doc, args)
-    if float_model is not None:
-        float_model.to(device)
-        result["float_perplexity"] = perplexity(float_model, ids, window=window, stride=args.stride,
-                                                batch_size=batch_size)
-        del float_model
-    else:
-        result["float_note"] = why
-    speed, note = (None, "decode tokens/s not measured: the program has no KV cache (capture it with "
-                         "max_cache_len=N to generate)") if kv is None else _decode_speed(program, ids, kv, args.compile)
-    if speed is not None:
-        result["decode"] = speed
-    else:
-        result["decode_note"] = note
-    if args.json:
-        say(json.dumps(report.json_safe(result), indent=2, allow_nan=False), block=True)
-        return 0
-    say(f"{path}: perplexity on {str(data)!r} ({result['tokens']} tokens, window {window}, "
-        f"stride {result['stride']})")
-    line = f"  quantized: {result['perplexity']:.4f}"
-    if "float_perplexity" in result:
-        f = result["float_perplexity"]
-        line += f"   float: {f:.4f}   ({100 * (result['perplexity'] / f - 1):+.2f}%)"
-    say(line)
-    if "float_note" in result:
-        say(f"  ({result['float_note']})")
-    if speed is not None:
-        say(f"decode: {speed['decode_tokens_per_s']:.1f} tokens/s, prefill {speed['prefill_tokens_per_s']:.1f} tokens/s "
-            f"({speed['prompt_tokens']}-token prompt, {speed['new_tokens']} new, batch {speed['batch_size']}, "
-            f"{'compiled' if speed['compiled'] else 'eager'}, {device}, {torch.get_num_threads()} threads)")
-    else:
-        say(note)
     return 0

@@ -24,6 +24,7 @@ import io
 import math
 
 import torch
+from torch.export.passes import move_to_device_pass
 
 import quantkit
 
@@ -143,6 +144,8 @@ def run_quantize_lm(args, recipe, spec, data, out, loaded, calib, heldout, modul
     metric = _heldout(model, qmodel, held)
     with contextlib.redirect_stderr(io.StringIO()):
         program = _artifact.export_converted(qmodel)
+        if next(model.parameters()).device.type != "cpu":  # artifacts are CPU programs, as run_quantize's
+            program = move_to_device_pass(program, "cpu")
     source = {"model": spec.to_json(), "data": data.to_json(), "fingerprint": datasets.fingerprint(data),
               "samples": samples, "heldout": heldout_indices, "seq_len": args.seq_len, "batch_size": 1,
               "output": "token-logits", "max_cache_len": n,
