@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["tiny_llama", "token_cosines"]
+__all__ = ["tiny_llama", "token_cosines", "AS_BEFORE", "FLOAT32"]
+
+# the export as these tests were written for: float32 tensors and every scheme transformers runs (not
+# only those vLLM's CPU build runs); with AS_BEFORE also lm_head quantized (named in the targets)
+FLOAT32 = dict(float_dtype="float32", engine="transformers")
+AS_BEFORE = dict(quantize_lm_head=True, float_dtype="float32", engine="transformers")
 
 
 def token_cosines(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ import quantkit  # noqa: E402
 from quantkit import _hf  # noqa: E402
 from quantkit.cli import main  # noqa: E402
 from quantkit.quantizers import EmbeddingQuantizer, QuantConfig, W8A8Quantizer  # noqa: E402
-from tests._ct_helpers import tiny_llama, token_cosines  # noqa: E402
+from tests._ct_helpers import AS_BEFORE, FLOAT32, tiny_llama, token_cosines  # noqa: E402
 
 QD = torch.ops.quantized_decomposed
 _TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -83,14 +83,14 @@ def test_tiny_llama_loads_in_transformers_and_matches(llama, tmp_path, scheme):
     config = QuantConfig() if scheme == "static" else QuantConfig(dynamic=True, granularity="per-token")
     qmodel = _quantize(model, batches[:2], config)
     out = tmp_path / "llama-w8a8"
-    result = quantkit.export_compressed_tensors(qmodel, path, out, inputs=batches[2:])
+    result = quantkit.export_compressed_tensors(qmodel, path, out, inputs=batches[2:], **AS_BEFORE)
     assert result.linears == 2 * 7 + 1 and result.kept_float == ()
 
     doc = json.loads((out / "config.json").read_text())
     qc = doc["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "int-quantized"
     (group,) = qc["config_groups"].values()
-    assert group["targets"] == ["Linear"] and group["weights"]["strategy"] == "channel"
+    assert group["targets"] == ["Linear", "lm_head"] and group["weights"]["strategy"] == "channel"
     acts = group["input_activations"]
     assert (acts["strategy"], acts["dynamic"]) == (("tensor", False) if scheme == "static" else ("token", True))
     assert doc["tie_word_embeddings"] is False  # lm_head int8, the embedding float: stored apart
@@ -197,7 +197,7 @@ def test_minilm_export_matches_quantkit(tmp_path):
     calib, heldout = [enc(texts[:32])], [enc(texts[-16:])]
     qmodel = _quantize(model, calib)
     out = tmp_path / "minilm"
-    result = quantkit.export_compressed_tensors(qmodel, path, out, inputs=heldout)
+    result = quantkit.export_compressed_tensors(qmodel, path, out, inputs=heldout, **FLOAT32)
     assert result.linears == 6 * 6 + 1 and result.versions["compressed_tensors"]
     assert result.verification["worst_layer_sqnr_db"] is None or result.verification["worst_layer_sqnr_db"] >= 50
     loaded = transformers.AutoModel.from_pretrained(str(out), dtype=torch.float32).eval()
@@ -220,15 +220,15 @@ def test_unexpressible_recipe_fails_before_writing(llama, tmp_path):
     qmodel = _quantize(model, batches[:1], QuantConfig(activation="affine-uint7"))
     out = tmp_path / "uint7"
     with pytest.raises(quantkit.QuantkitError, match=r"uint8 activations in \[0, 127\].*--activation affine-uint8"):
-        quantkit.export_compressed_tensors(qmodel, path, out, inputs=batches[2:])
+        quantkit.export_compressed_tensors(qmodel, path, out, inputs=batches[2:], **AS_BEFORE)
     assert not out.exists() and not list(tmp_path.iterdir())
     with pytest.raises(quantkit.QuantkitError, match="no layer of the model can be stored int8"):
-        quantkit.export_compressed_tensors(qmodel, path, out, inputs=batches[2:], skip_unsupported=True)
+        quantkit.export_compressed_tensors(qmodel, path, out, inputs=batches[2:], skip_unsupported=True, **AS_BEFORE)
     assert not out.exists()
 
     dynamic = _quantize(model, batches[:1], QuantConfig(dynamic=True))
     with pytest.raises(quantkit.QuantkitError, match="dynamic per-tensor activations.*--scheme w8a8-per-token"):
-        quantkit.export_compressed_tensors(dynamic, path, out, inputs=batches[2:])
+        quantkit.export_compressed_tensors(dynamic, path, out, inputs=batches[2:], **AS_BEFORE)
     assert not out.exists()
 
 
@@ -245,9 +245,9 @@ def test_skip_unsupported_keeps_attention_matmuls_float(tmp_path):
     assert len(matmuls) == 4  # Q @ K^T and P @ V in each of the 2 layers
     out = tmp_path / "eager-int8"
     with pytest.raises(quantkit.QuantkitError, match="quantized matmul between activations.*--ops linear"):
-        quantkit.export_compressed_tensors(qmodel, path, out, inputs=[batch])
+        quantkit.export_compressed_tensors(qmodel, path, out, inputs=[batch], **FLOAT32)
     assert not out.exists()
-    result = quantkit.export_compressed_tensors(qmodel, path, out, inputs=[batch], skip_unsupported=True)
+    result = quantkit.export_compressed_tensors(qmodel, path, out, inputs=[batch], skip_unsupported=True, **FLOAT32)
     assert len(result.kept_float) == 2 and all("matmul" in k for k in result.kept_float)
 
     # reference: quantkit's graph with the matmuls' input quantization removed (the float value
@@ -306,8 +306,8 @@ def test_bad_inputs_are_one_line_errors(llama, tmp_path, capsys, monkeypatch):
     # the API: a directory that is not an HF model; compressed-tensors not installed
     qmodel = _quantize(model, batches[:1])
     with pytest.raises(quantkit.QuantkitError, match="not a Hugging Face model directory"):
-        quantkit.export_compressed_tensors(qmodel, not_hf, tmp_path / "o", inputs=batches[2:])
+        quantkit.export_compressed_tensors(qmodel, not_hf, tmp_path / "o", inputs=batches[2:], **AS_BEFORE)
     monkeypatch.setitem(sys.modules, "compressed_tensors", None)
     with pytest.raises(quantkit.QuantkitError, match=r"pip install 'quantkit\[serve\]'"):
-        quantkit.export_compressed_tensors(qmodel, path, tmp_path / "o", inputs=batches[2:])
+        quantkit.export_compressed_tensors(qmodel, path, tmp_path / "o", inputs=batches[2:], **AS_BEFORE)
     assert not (tmp_path / "o").exists()

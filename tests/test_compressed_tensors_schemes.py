@@ -21,7 +21,7 @@ import quantkit  # noqa: E402
 from quantkit import _hf  # noqa: E402
 from quantkit.cli import main  # noqa: E402
 from quantkit.quantizers import FP8Quantizer, WeightOnlyQuantizer  # noqa: E402
-from tests._ct_helpers import tiny_llama, token_cosines  # noqa: E402
+from tests._ct_helpers import AS_BEFORE, FLOAT32, tiny_llama, token_cosines  # noqa: E402
 
 AO = torch.ops.torchao
 QD = torch.ops.quantized_decomposed
@@ -177,7 +177,7 @@ def test_tiny_llama_fp8(llama, tmp_path, recipe):
     _, path, batches, gm = llama
     qmodel = _quantize(gm, batches[:1], FP8Quantizer(**FP8_RECIPES[recipe]))
     out = tmp_path / recipe
-    result = quantkit.export_compressed_tensors(qmodel, path, out, inputs=batches[1:])
+    result = quantkit.export_compressed_tensors(qmodel, path, out, inputs=batches[1:], **AS_BEFORE)
     assert result.linears == 2 * 7 + 1 and result.kept_float == ()
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     (group,) = qc["config_groups"].values()
@@ -235,7 +235,7 @@ def test_tiny_llama_weight_only(llama, tmp_path, recipe):
     _, path, batches, gm = llama
     qmodel = _quantize(gm, batches[:1], WeightOnlyQuantizer(**WEIGHT_ONLY[recipe]))
     out = tmp_path / recipe
-    result = quantkit.export_compressed_tensors(qmodel, path, out, inputs=batches[1:])
+    result = quantkit.export_compressed_tensors(qmodel, path, out, inputs=batches[1:], **AS_BEFORE)
     assert result.linears == 15
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     (group,) = qc["config_groups"].values()
@@ -272,9 +272,9 @@ def test_nf4_is_refused_or_kept_float(llama, tmp_path):
     out = tmp_path / "nf4"
     with pytest.raises(quantkit.QuantkitError, match=r"^compressed-tensors cannot express NF4 weights \(lm_head\): "
                                                      r"compressed-tensors has no NF4 scheme.*--scheme w4a16") as err:
-        quantkit.export_compressed_tensors(qmodel, path, out, inputs=batches[1:])
+        quantkit.export_compressed_tensors(qmodel, path, out, inputs=batches[1:], **FLOAT32)
     assert "\n" not in str(err.value) and not out.exists()
-    result = quantkit.export_compressed_tensors(qmodel, path, out, inputs=batches[1:], skip_unsupported=True)
+    result = quantkit.export_compressed_tensors(qmodel, path, out, inputs=batches[1:], skip_unsupported=True, **FLOAT32)
     assert result.linears == 14 and result.kept_float == ("lm_head: NF4 weights",)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["ignore"] == ["lm_head"]
@@ -290,7 +290,7 @@ def test_e5m2_kv_cache_is_refused(llama, tmp_path):
     qmodel = _quantize(gm, batches[:1], FP8Quantizer(kv_cache="fp8_e5m2"))
     out = tmp_path / "e5m2"
     with pytest.raises(quantkit.QuantkitError, match=r"cannot express a float8_e5m2 KV cache .*float8_e4m3fn"):
-        quantkit.export_compressed_tensors(qmodel, path, out, inputs=batches[1:])
+        quantkit.export_compressed_tensors(qmodel, path, out, inputs=batches[1:], **AS_BEFORE)
     assert not out.exists()
 
 
@@ -334,9 +334,9 @@ def test_tiny_bert(bert, bert_captured, tmp_path, scheme):
     if scheme == "fp8":
         with pytest.raises(quantkit.QuantkitError, match=r"cannot express a KV cache in BertSelfAttention "
                                                          r"\(encoder.layer.0.attention.self and 1 more layers\): .*k_proj"):
-            quantkit.export_compressed_tensors(qmodel, directory, out, inputs=[heldout])
+            quantkit.export_compressed_tensors(qmodel, directory, out, inputs=[heldout], **FLOAT32)
         assert not out.exists()
-    result = quantkit.export_compressed_tensors(qmodel, directory, out, inputs=[heldout],
+    result = quantkit.export_compressed_tensors(qmodel, directory, out, inputs=[heldout], **FLOAT32,
                                                 skip_unsupported=scheme == "fp8")
     assert len(result.kept_float) == (2 if scheme == "fp8" else 0)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -359,7 +359,8 @@ def test_tiny_bert(bert, bert_captured, tmp_path, scheme):
     # records name the layers): the same checkpoint, tensor for tensor
     quantkit.save(qmodel, tmp_path / "artifact")
     again = tmp_path / "from-artifact"
-    quantkit.export_compressed_tensors(quantkit.load(tmp_path / "artifact"), directory, again, inputs=[heldout])
+    quantkit.export_compressed_tensors(quantkit.load(tmp_path / "artifact"), directory, again, inputs=[heldout],
+                                       **FLOAT32)
     first, second = _safetensors(out), _safetensors(again)
     assert sorted(first) == sorted(second)
     for key, t in first.items():
@@ -373,13 +374,15 @@ def test_tiny_bert(bert, bert_captured, tmp_path, scheme):
     with pytest.warns(UserWarning, match="not verified|cannot be verified"):
         bare = quantkit.load(tmp_path / "artifact", allow_unverified=True)
     with pytest.raises(quantkit.QuantkitError, match="has no quantization.json records to name its layers"):
-        quantkit.export_compressed_tensors(bare, directory, tmp_path / "x", inputs=[heldout])
+        quantkit.export_compressed_tensors(bare, directory, tmp_path / "x", inputs=[heldout], **FLOAT32)
     assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.parametrize("scheme", [["--scheme", "fp8"], ["--scheme", "w4a16", "--group-size", "32"]])
+@pytest.mark.parametrize("scheme", [["--scheme", "fp8", "--engine", "transformers"],
+                                    ["--scheme", "w4a16", "--group-size", "32"]])
 def test_cli_tiny_bert(bert, tmp_path, scheme):
-    """``--scheme fp8|w4a16 --format compressed-tensors``: the CLI verified the checkpoint against
+    """``--scheme fp8|w4a16 --format compressed-tensors`` (static FP8 with ``--engine transformers``:
+    vLLM's CPU build cannot run it): the CLI verified the checkpoint against
     its quantized model on the held-out split; transformers' AutoModel loads it (tokenizer
     included) and it stays as close to the float model as FP8 / int4 g32 on a random tiny BERT is."""
     directory, sentences = bert
@@ -425,7 +428,7 @@ def test_minilm(minilm, tmp_path, scheme):
     quantizer = FP8Quantizer() if scheme == "fp8" else WeightOnlyQuantizer(bits=4, group_size=32)
     qmodel = _quantize(gm, calib, quantizer)
     out = tmp_path / scheme
-    result = quantkit.export_compressed_tensors(qmodel, path, out, inputs=heldout)
+    result = quantkit.export_compressed_tensors(qmodel, path, out, inputs=heldout, **FLOAT32)
     assert result.linears == 6 * 6 + 1
     kwargs = {}
     if scheme == "fp8":

@@ -7,12 +7,14 @@ writes the artifact with the HF directory inside it, in ``compressed-tensors/``.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from .._quiet import silenced
 from . import _inputs as inputs
 
-__all__ = ["FORMATS", "SUBDIR", "parse_formats", "check", "write", "summary", "describe", "refuse_sequential"]
+__all__ = ["FORMATS", "SUBDIR", "parse_formats", "check", "write", "summary", "describe", "refuse_sequential",
+           "lm_head_float"]
 
 PT2, CT = "pt2", "compressed-tensors"
 FORMATS = (PT2, CT)
@@ -32,11 +34,15 @@ def parse_formats(text: str | None) -> tuple[str, ...]:
 def check(args, spec: inputs.ModelSpec, out: Path, check_pt2_dir) -> Path:
     """Checks before anything loads: an HF model, compressed-tensors installed, a writable --out."""
     formats = parse_formats(getattr(args, "format", None))
-    if getattr(args, "skip_unsupported", False) and CT not in formats:
-        raise inputs.UsageError("--skip-unsupported applies to --format compressed-tensors only; add it or drop "
-                                "--skip-unsupported")
+    for flag, given in (("--skip-unsupported", getattr(args, "skip_unsupported", False)),
+                        ("--quantize-lm-head", getattr(args, "quantize_lm_head", False)),
+                        ("--float-dtype", getattr(args, "float_dtype", None) is not None),
+                        ("--engine", getattr(args, "engine", None) is not None)):
+        if given and CT not in formats:
+            raise inputs.UsageError(f"{flag} applies to --format compressed-tensors only; add it or drop {flag}")
     if CT in formats:
         _refuse_unexpressible(args)
+        _refuse_for_engine(args)
         if not spec.is_hf:
             raise inputs.UsageError("--format compressed-tensors writes an HF checkpoint, so MODEL must be an HF model "
                                     "directory (config.json and weights), not a factory")
@@ -68,6 +74,38 @@ def _refuse_unexpressible(args) -> None:
         raise inputs.UsageError(f"--format compressed-tensors cannot store {why}, or use --format pt2")
 
 
+def _refuse_for_engine(args) -> None:
+    """Schemes the chosen engine (--engine, default vllm-cpu) cannot run, refused before anything loads."""
+    from ..export._ct_checks import engine_refusal
+
+    scheme = getattr(args, "scheme", None)
+    kinds = []
+    if scheme == "w8a16":
+        kinds.append("w8a16")
+    elif scheme == "fp8" and not getattr(args, "dynamic", None):
+        kinds.append("fp8-static")
+    why = engine_refusal(kinds, getattr(args, "engine", None) or "vllm-cpu", **_ENGINE_FLAGS)
+    if why is not None:
+        raise inputs.UsageError(why.replace(" use w4a16", " use --scheme w4a16").replace(
+            " use fp8-dynamic", " use --scheme fp8-dynamic"))
+
+
+# how the export's messages name its options here
+_ENGINE_FLAGS = {"engine_flag": "--engine transformers"}
+_FLAGS = {"skip_unsupported": "--skip-unsupported", "quantize_lm_head": "--quantize-lm-head",
+          "skip_lm_head": "--skip lm_head", "engine": "--engine transformers"}
+
+
+def lm_head_float(args, recipe, module_names: list[str]):
+    """``recipe`` with ``lm_head`` added to its ``skip`` when it must stay float: --format
+    compressed-tensors without --quantize-lm-head (vLLM keeps it float, as llm-compressor writes it;
+    the pt2 artifact written beside the export is the same model). Else ``recipe`` as it is."""
+    if CT not in parse_formats(getattr(args, "format", None)) or getattr(args, "quantize_lm_head", False) \
+            or "lm_head" not in module_names or "lm_head" in recipe.skip:
+        return recipe
+    return dataclasses.replace(recipe, skip=tuple(recipe.skip) + ("lm_head",))
+
+
 def refuse_sequential(args) -> None:
     """The layer-by-layer path (--max-memory, --sequential) writes pt2 only."""
     if CT in parse_formats(getattr(args, "format", None)):
@@ -82,13 +120,15 @@ def _model_dir(spec: inputs.ModelSpec) -> Path:
 
 
 def write(directory: Path, *, qmodel, spec: inputs.ModelSpec, loaded, batches: list, skip_unsupported: bool,
-          record: dict | None = None, atomic: bool):
+          record: dict | None = None, atomic: bool, args=None):
     """Export ``qmodel`` as compressed-tensors into ``directory`` (``atomic``: swapped into place,
     else written into a fresh directory inside the caller's atomic one), verified against it."""
     from ..export import _atomic, _compressed_tensors as ct
 
-    kw = dict(inputs=batches, skip_unsupported=skip_unsupported, model_class=type(loaded.model),
-              skip_flag="--skip-unsupported")
+    kw = dict(inputs=batches, skip_unsupported=skip_unsupported, model_class=type(loaded.model), flags=_FLAGS,
+              quantize_lm_head=bool(getattr(args, "quantize_lm_head", False)),
+              float_dtype=getattr(args, "float_dtype", None) or "bfloat16",
+              engine=getattr(args, "engine", None) or "vllm-cpu")
     # transformers, compressed-tensors and torchao run here: what they print, log or warn is not ours
     # to show (stdout is the summary line's, stderr the error line's); QUANTKIT_DEBUG=1 shows it
     with silenced():

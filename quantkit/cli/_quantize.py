@@ -375,6 +375,7 @@ def run_quantize(args, say) -> int:
             f"{loaded.fit.summary()}; those tensors are randomly initialised")
     loaded.model.to(device)
     module_names = [n for n, _ in loaded.model.named_modules()]
+    recipe = _export.lm_head_float(args, recipe, module_names)  # compressed-tensors: lm_head float unless asked
     quantizer = recipe.quantizer(module_names)
     kw = dict(seq_len=args.seq_len, batch_size=args.batch_size, device=device)
     calib, _ = datasets.device_batches(samples, origins, split.calib, loaded, what="calibration", **kw)
@@ -441,7 +442,7 @@ def run_quantize(args, say) -> int:
     ct_export = None
     if _export.parse_formats(args.format) == (_export.CT,):  # DIR is the HF checkpoint alone
         ct_export = _export.write(out, qmodel=qmodel, spec=spec, loaded=loaded, batches=heldout,
-                                      skip_unsupported=args.skip_unsupported, atomic=True,
+                                      skip_unsupported=args.skip_unsupported, atomic=True, args=args,
                                       record=report.json_safe({"recipe": recipe.to_json(), "metric": metric}))
         say(f"wrote {out}: {metric['name']} mean {metric['mean_cosine']:.4f} (min {metric['min_cosine']:.4f}) vs float; "
             f"{_export.describe(ct_export)}")
@@ -475,7 +476,8 @@ def run_quantize(args, say) -> int:
             loaded.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))
         if _export.CT in _export.parse_formats(args.format):  # the HF checkpoint beside model.pt2
             ct_export = _export.write(tmp / _export.SUBDIR, qmodel=qmodel, spec=spec, loaded=loaded,
-                                          batches=heldout, skip_unsupported=args.skip_unsupported, atomic=False)
+                                          batches=heldout, skip_unsupported=args.skip_unsupported, atomic=False,
+                                          args=args)
         t = clock.lap("save", t)
         clock.times["total"] = round(time.perf_counter() - clock.start, 2)
         int8_bytes = model_file.stat().st_size

@@ -82,6 +82,9 @@ _MIN_MEAN_COSINE = 0.99
 # up to float32 summation order: measured min cosine 1 - 1e-15 on a tiny Llama and MiniLM; a
 # wrong tensor anywhere (e.g. a tied embedding stored with lm_head's values) gives < 0.998
 _MIN_EXACT_COSINE = 0.99999
+# how messages name the options; the CLI passes its flags
+_FLAGS = {"skip_unsupported": "skip_unsupported=True", "quantize_lm_head": "quantize_lm_head=True",
+          "skip_lm_head": "a quantizer that skips lm_head", "engine": "engine='transformers'"}
 
 @dataclass(frozen=True)
 class CompressedTensorsExport:
@@ -158,6 +161,14 @@ def check_out_dir(path: str | os.PathLike, *, overwrite: bool, flag: str = "over
     return path
 
 
+def _lm_head(hf, modules: dict) -> str | None:
+    """The module name of the HF model's output head (``get_output_embeddings``), if a Linear."""
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear):
+        return None
+    return next((n for n, m in modules.items() if m is head), None)
+
+
 def _captured_class(qmodel: GraphModule):
     """The transformers class the graph was captured from (the root of its ``nn_module_stack``)."""
     import transformers
@@ -184,14 +195,20 @@ def _meta_model(cls, config):
                             "pass model_class= the class the model was captured from") from None
 
 
-def _tensors(qmodel: GraphModule, hf, plan: Plan) -> tuple[dict[str, torch.Tensor], list[tuple[str, str]]]:
+def _tensors(qmodel: GraphModule, hf, plan: Plan, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor],
+                                                                               list[tuple[str, str]], dict]:
     """Every persistent tensor of the HF model, by name: int8 linears with their scales, the
-    dequantized weights, the rest from quantkit's model. Returns ``(tensors, untied)``: pairs
-    of tied HF parameters that are now stored differently (one int8, one float)."""
+    dequantized weights, the rest from quantkit's model, float ones (not scales) cast to ``dtype``.
+    Returns ``(tensors, untied, cast)``: ``untied``, pairs of tied HF parameters that are now stored
+    differently (one int8, one float); ``cast``, quantkit's tensor name -> the value as stored, for
+    the float tensors of quantkit's model whose dtype changed (the verification's reference uses them)."""
     own = dict(qmodel.named_parameters(remove_duplicate=False))
     own.update(dict(qmodel.named_buffers(remove_duplicate=False)))
+    source = {k: k for k in own}
     if qmodel.meta.get("quantkit_program") is not None:  # quantkit.load: the HF model is the wrapper's .model
+        source = {k[len("model."):] if k.startswith("model.") else k: k for k in own}
         own = {k[len("model."):] if k.startswith("model.") else k: v for k, v in own.items()}
+    used: dict[str, str] = {}  # HF key -> the name of quantkit's tensor stored there as it is
     aliases: dict[int, list[str]] = {}
     for name, p in hf.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
@@ -209,6 +226,7 @@ def _tensors(qmodel: GraphModule, hf, plan: Plan) -> tuple[dict[str, torch.Tenso
             out[key] = plan.dequantized[key]
         elif key in own:
             out[key] = own[key].detach()
+            used[key] = key
         else:
             missing.append(key)
     for key in list(missing):  # a tied parameter quantkit's graph holds under its other name
@@ -217,6 +235,7 @@ def _tensors(qmodel: GraphModule, hf, plan: Plan) -> tuple[dict[str, torch.Tenso
         twin = next((n for n in alias_of.get(key, ()) if n in own), None)
         if twin is not None:
             out[key] = own[twin].detach()
+            used[key] = twin
             missing.remove(key)
     for module, kv in plan.kv.items():
         out.update({f"{module}.{local}": t for local, t in kv.stored().items()})
@@ -231,13 +250,33 @@ def _tensors(qmodel: GraphModule, hf, plan: Plan) -> tuple[dict[str, torch.Tenso
         floats = [out[n] for n in group if n in out and n not in quantized]
         if len(group) > 1 and (len(kinds) > 1 or any(not torch.equal(floats[0], f) for f in floats[1:])):
             untied.append(tuple(group))
+    cast: dict[str, torch.Tensor] = {}
+    for k, v in out.items():  # float tensors in the engine's dtype (scales keep quantkit's float32)
+        if v.is_floating_point() and not is_float8(v.dtype) and v.dtype != dtype and (k in used
+                                                                                     or k in plan.dequantized):
+            out[k] = v.to(dtype)
+            if k in used:
+                cast[source[used[k]]] = out[k].to(v.dtype)
     seen: set[int] = set()
     for k, v in out.items():  # safetensors refuses tensors that share storage (tied or views)
         v = v.contiguous()
         ptr = v.untyped_storage().data_ptr()
         out[k] = v.clone() if ptr in seen and v.numel() else v
         seen.add(ptr)
-    return out, untied
+    return out, untied, cast
+
+
+class _Cast(torch.nn.Module):
+    """``model`` run with some of its tensors replaced (``torch.func.functional_call``): quantkit's
+    model with the float tensors as the export stores them, the verification's reference."""
+
+    def __init__(self, model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self.tensors = tensors
+
+    def forward(self, *args, **kwargs):
+        return torch.func.functional_call(self.model, self.tensors, args, kwargs)
 
 
 def _save(tensors: dict[str, torch.Tensor], directory: Path) -> list[str]:
@@ -269,10 +308,13 @@ def _save(tensors: dict[str, torch.Tensor], directory: Path) -> list[str]:
     return names + ["model.safetensors.index.json"]
 
 
-def _config(model_dir: Path, cls, qconfig: dict, untied: list) -> dict:
+def _config(model_dir: Path, cls, qconfig: dict, untied: list, dtype: torch.dtype) -> dict:
     check_source(model_dir)
     doc = {k: v for k, v in _hf._config_json(model_dir).items() if k not in _REMOTE_CODE_KEYS}
     doc["architectures"] = [cls.__name__]
+    doc["dtype"] = str(dtype).removeprefix("torch.")  # what vLLM's dtype="auto" runs
+    if "torch_dtype" in doc:
+        doc["torch_dtype"] = doc["dtype"]
     if untied:
         if not _is_embedding_tie(untied):
             raise QuantkitError(f"tied parameters {', '.join(untied[0])} would be stored one int8 and one float, and "
@@ -392,7 +434,8 @@ def _check_loaded(model, plan: Plan, info: dict, *, dense: bool) -> None:
                                     f"{TESTED_VERSION})")
 
 
-def _verify(directory: Path, cls, plan: Plan, qmodel: GraphModule, batches: list, dtype: torch.dtype) -> dict:
+def _verify(directory: Path, cls, plan: Plan, qmodel: GraphModule, batches: list, dtype: torch.dtype,
+            cast: dict) -> dict:
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -413,6 +456,8 @@ def _verify(directory: Path, cls, plan: Plan, qmodel: GraphModule, batches: list
     kv_applied = checks.kv_applied(model, plan)
     files_checked = checks.check_files(directory, plan)
     reference = _reference(qmodel, plan, () if kv_applied else tuple(n for kv in plan.kv.values() for n in kv.nodes))
+    if cast:  # quantkit's model with the float tensors rounded as stored (computed in float32 still)
+        reference = _Cast(reference, cast)
     layers = _layer_check(model, plan, batches[0])
     if layers["layers"] != len(plan.linears):
         raise QuantkitError(f"only {layers['layers']} of the {len(plan.linears)} quantized linears ran in transformers' "
@@ -467,10 +512,14 @@ def _versions(ct_version: str) -> dict:
 
 def write_checkpoint(qmodel: GraphModule, model_dir: str | os.PathLike, directory: str | os.PathLike, *,
                      inputs: Iterable[Any] | None = None, skip_unsupported: bool = False, model_class=None,
-                     record: dict | None = None, skip_flag: str = "skip_unsupported=True") -> CompressedTensorsExport:
+                     quantize_lm_head: bool = False, float_dtype="bfloat16", engine: str = "vllm-cpu",
+                     record: dict | None = None, flags: dict | None = None) -> CompressedTensorsExport:
     """:func:`export_compressed_tensors` into an existing empty ``directory`` (no atomic swap:
-    the caller's). Raises before writing anything when the recipe cannot be expressed;
-    ``skip_flag`` is how the caller names ``skip_unsupported`` there (the CLI: ``--skip-unsupported``)."""
+    the caller's). Raises before writing anything when the recipe cannot be expressed; ``flags``
+    is how the caller names the options in its messages (:data:`_FLAGS`' keys; the CLI: its flags)."""
+    flags = {**_FLAGS, **(flags or {})}
+    dtype = checks.float_dtype(float_dtype)
+    checks.engine_refusal((), engine)  # a bad engine name fails first
     ct_version = check_available()
     if not isinstance(qmodel, GraphModule) or not qmodel.meta.get("quantkit_converted"):
         raise TypeError(f"export_compressed_tensors expects quantkit's converted model (quantkit.convert, quantize or "
@@ -500,16 +549,30 @@ def write_checkpoint(qmodel: GraphModule, model_dir: str | os.PathLike, director
         u = plan.unsupported[0]
         more = f" and {len(plan.unsupported) - 1} more layers" if len(plan.unsupported) > 1 else ""
         raise QuantkitError(f"compressed-tensors cannot express {u.what} ({u.module}{more}): {u.hint}, or pass "
-                            f"{skip_flag} to keep those layers float")
+                            f"{flags['skip_unsupported']} to keep those layers float")
     if not plan.linears:
         why = f"; {plan.unsupported[0].what}: {plan.unsupported[0].hint}" if plan.unsupported else ""
         raise QuantkitError(f"no layer of the model can be stored int8 in the compressed-tensors format{why}")
+    head = _lm_head(hf, modules)
+    if head is not None and head in plan.linears and not quantize_lm_head:
+        raise QuantkitError(f"{head} is quantized, and vLLM keeps {head} float (its ParallelLMHead is no Linear, so it "
+                            f"refuses {head}'s scales); quantize with {head} kept float ({flags['skip_lm_head']}), or "
+                            f"pass {flags['quantize_lm_head']} to store it quantized with {head!r} in the targets")
+    if quantize_lm_head and (head is None or head not in plan.linears):
+        raise QuantkitError(f"{flags['quantize_lm_head']} but the model's "
+                            f"{'output head is float' if head else 'has no output head (lm_head)'}; quantize "
+                            f"{head or 'lm_head'} or drop {flags['quantize_lm_head']}")
+    refusal = checks.engine_refusal(checks.plan_kinds(plan), engine, engine_flag=flags["engine"])
+    if refusal is not None:
+        raise QuantkitError(refusal)
     batches = list(inputs) if inputs is not None else _default_inputs(qmodel)
     if not batches:
         raise QuantkitError("inputs is empty; pass at least one batch to verify the export with")
-    tensors, untied = _tensors(qmodel, hf, plan)
+    tensors, untied, cast = _tensors(qmodel, hf, plan, dtype)
     float_linears = [n for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear) and n not in plan.linears]
-    doc = _config(model_dir, cls, quantization_config(plan.linears, float_linears, plan.kv, ct_version), untied)
+    qconfig = quantization_config(plan.linears, float_linears, plan.kv, ct_version,
+                                  by_name=(head,) if quantize_lm_head else ())
+    doc = _config(model_dir, cls, qconfig, untied, dtype)
     from compressed_tensors.quantization import QuantizationConfig
 
     try:  # the installed compressed-tensors must parse what we write
@@ -530,11 +593,9 @@ def write_checkpoint(qmodel: GraphModule, model_dir: str | os.PathLike, director
     copied, copy_notes = _copy_files(model_dir, directory)
     files += copied
     notes += copy_notes
-    floats = [t for k, t in tensors.items() if t.is_floating_point() and not is_float8(t.dtype)
-              and not k.endswith("_scale")]
-    dtype = floats[0].dtype if floats else torch.float32
+    # loaded in float32 (bf16 and fp16 widen exactly), against quantkit's model with the same float tensors
     with contextlib.redirect_stderr(io.StringIO()):  # compressed-tensors' progress bars; errors are raised
-        verification = _verify(directory, cls, plan, qmodel, batches, dtype)
+        verification = _verify(directory, cls, plan, qmodel, batches, torch.float32, cast)
     kept = tuple(f"{u.module}: {u.what}" for u in plan.unsupported)
     result = CompressedTensorsExport(path=directory, linears=len(plan.linears), kept_float=kept,
                                      dequantized=tuple(plan.weight_only), verification=verification,
@@ -544,6 +605,8 @@ def write_checkpoint(qmodel: GraphModule, model_dir: str | os.PathLike, director
               "formats": sorted({layer.weight.format for layer in plan.linears.values()}),
               "kv_cache": sorted(plan.kv),
               "weight_only_dequantized": list(plan.weight_only), "untied": [list(g) for g in untied],
+              "float_dtype": str(dtype).removeprefix("torch."), "engine": engine,
+              "lm_head": "quantized" if quantize_lm_head else ("float" if head else None),
               "verification": verification, "versions": result.versions, "notes": list(result.notes),
               **(record or {})}
     (directory / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
@@ -552,7 +615,8 @@ def write_checkpoint(qmodel: GraphModule, model_dir: str | os.PathLike, director
 
 def export_compressed_tensors(qmodel: GraphModule, model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                               inputs: Iterable[Any] | None = None, skip_unsupported: bool = False,
-                              overwrite: bool = False, model_class=None) -> CompressedTensorsExport:
+                              overwrite: bool = False, model_class=None, quantize_lm_head: bool = False,
+                              float_dtype="bfloat16", engine: str = "vllm-cpu") -> CompressedTensorsExport:
     """Write quantkit's quantized model as a compressed-tensors checkpoint that transformers and vLLM load.
 
     ``out_dir`` becomes an HF model directory: ``model_dir``'s config.json with a
@@ -576,6 +640,13 @@ def export_compressed_tensors(qmodel: GraphModule, model_dir: str | os.PathLike,
             instead of failing.
         overwrite: replace ``out_dir`` if it is empty or a previous export.
         model_class: the transformers class ``qmodel`` was captured from (default: read from the graph).
+        quantize_lm_head: store the output head (``lm_head``) quantized, named in the targets (vLLM
+            quantizes it only by name). Default False, as llm-compressor: it must be float in
+            ``qmodel`` (quantize with ``skip=["lm_head"]``) and is listed in ``ignore``.
+        float_dtype: the dtype of the float tensors (norms, embeddings, float layers):
+            ``"bfloat16"`` (default; what vLLM runs), ``"float16"`` or ``"float32"``. Scales stay float32.
+        engine: ``"vllm-cpu"`` (default) refuses, in one line, what vLLM's CPU build cannot run
+            (w8a16, static FP8); ``"transformers"`` writes it anyway.
 
     Returns:
         A :class:`CompressedTensorsExport`.
@@ -594,7 +665,8 @@ def export_compressed_tensors(qmodel: GraphModule, model_dir: str | os.PathLike,
     path = check_out_dir(out_dir, overwrite=overwrite).absolute()
     with _atomic.atomic_dir(path, check=lambda: check_out_dir(path, overwrite=overwrite)) as tmp:
         result = write_checkpoint(qmodel, model_dir, tmp, inputs=inputs, skip_unsupported=skip_unsupported,
-                                  model_class=model_class)
+                                  model_class=model_class, quantize_lm_head=quantize_lm_head,
+                                  float_dtype=float_dtype, engine=engine)
     return CompressedTensorsExport(path=Path(out_dir), linears=result.linears, kept_float=result.kept_float,
                                    dequantized=result.dequantized, verification=result.verification,
                                    versions=result.versions, notes=result.notes)

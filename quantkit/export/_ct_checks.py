@@ -23,10 +23,68 @@ import torch
 
 from .._errors import QuantkitError
 from ..pipeline._inputs import call_model
-from ._ct_schemes import GroupWeight, is_float8, layer_tensors
+from ._ct_schemes import Float8Act, Float8Weight, GroupWeight, is_float8, layer_tensors
 
 __all__ = ["dense_load", "kv_applied", "check_files", "check_dense", "stored_on_modules", "same", "compare",
-           "sqnr_db"]
+           "sqnr_db", "ENGINES", "FLOAT_DTYPES", "float_dtype", "engine_refusal", "plan_kinds"]
+
+# what an export is written for: "vllm-cpu" (default) refuses the schemes vLLM's CPU build has no
+# kernel for; "transformers" writes every scheme the format expresses (transformers runs them all)
+ENGINES = ("vllm-cpu", "transformers")
+# float tensors' dtype by name (--float-dtype); bf16 is what vLLM runs (it casts float32 tensors, warning)
+FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# vLLM 0.32's CPU build (vllm-cpu, checked by benchmarks/vllm_check.py): kinds of layers it cannot run
+_VLLM_CPU_LIMITS = {
+    # model_executor/kernels/linear/mixed_precision/cpu.py: CPUWNA16 takes scalar types uint4 / uint4b8
+    "w8a16": ("8-bit weight-only layers (w8a16): its CPU WNA16 kernels take 4-bit weights only (uint4, uint4b8), "
+              "so it finds no kernel for uint8b128", "use w4a16"),
+    # the CPU scaled-mm path without AMX narrows a 0-dim input scale on the first generate
+    "fp8-static": ("static FP8 (a calibrated per-tensor input scale): its CPU FP8 path without AMX crashes on the "
+                   "first generate (narrow() on a 0-dim scale)", "use fp8-dynamic"),
+}
+# not refused: w4a16 with float32 tensors. cpu_gemm_wna16 runs bf16 only (issue 30: vLLM run with
+# dtype="float32" fails), but vLLM's default dtype="auto" runs a float32 checkpoint in bf16 on CPU
+# (benchmarks/vllm_check.py)
+
+
+def float_dtype(value) -> torch.dtype:
+    """``float_dtype`` as a torch dtype: a name of :data:`FLOAT_DTYPES` or one of its dtypes."""
+    if isinstance(value, torch.dtype) and value in FLOAT_DTYPES.values():
+        return value
+    if isinstance(value, str) and value in FLOAT_DTYPES:
+        return FLOAT_DTYPES[value]
+    raise ValueError(f"float_dtype must be one of {', '.join(FLOAT_DTYPES)}, got {value!r}")
+
+
+def plan_kinds(plan) -> dict[str, str]:
+    """The layers of ``plan`` that :data:`_VLLM_CPU_LIMITS` names, as ``{kind: first module}``."""
+    kinds: dict[str, str] = {}
+    for name, layer in plan.linears.items():
+        w, a = layer.weight, layer.act
+        kind = None
+        if isinstance(w, GroupWeight) and w.bits == 8:
+            kind = "w8a16"
+        elif isinstance(w, Float8Weight) and isinstance(a, Float8Act) and a.kind == "static":
+            kind = "fp8-static"
+        if kind is not None:
+            kinds.setdefault(kind, name)
+    return kinds
+
+
+def engine_refusal(kinds, engine: str, *, engine_flag: str = "engine='transformers'") -> str | None:
+    """One line refusing the first of ``kinds`` (names of :data:`_VLLM_CPU_LIMITS`, or a dict of
+    them to a module) that ``engine`` cannot run, saying what to use instead; None when it runs them."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine != "vllm-cpu":
+        return None
+    for kind in kinds:
+        if kind in _VLLM_CPU_LIMITS:
+            why, instead = _VLLM_CPU_LIMITS[kind]
+            where = f" ({kinds[kind]})" if isinstance(kinds, dict) else ""
+            return (f"vLLM's CPU build cannot run {why}{where}; {instead}, or pass {engine_flag} to write it for "
+                    "transformers (which runs it)")
+    return None
 
 
 def dense_load(plan) -> bool:

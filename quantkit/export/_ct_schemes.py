@@ -393,10 +393,13 @@ class KVCache:
         return None
 
 
-def quantization_config(linears: dict, float_linears: list[str], kv: dict, version: str) -> dict:
+def quantization_config(linears: dict, float_linears: list[str], kv: dict, version: str,
+                        by_name: tuple[str, ...] = ()) -> dict:
     """compressed-tensors' ``quantization_config``: one group per distinct scheme. A single
-    scheme targets ``Linear`` with the float linears in ``ignore`` (llm-compressor's layout);
-    several name their modules. ``format`` is the groups' one format, else ``mixed-precision``."""
+    scheme targets ``Linear`` with the float linears in ``ignore`` (llm-compressor's layout)
+    plus the modules of ``by_name`` (an ``lm_head``: vLLM's ParallelLMHead is no Linear, so it
+    is quantized only when named); several name their modules. ``format`` is the groups' one
+    format, else ``mixed-precision``."""
     groups: dict[str, tuple[dict, dict | None, str, list[str]]] = {}
     for name, layer in linears.items():
         w = layer.weight.args()
@@ -405,7 +408,8 @@ def quantization_config(linears: dict, float_linears: list[str], kv: dict, versi
         groups.setdefault(key, (w, a, layer.weight.format, []))[3].append(name)
     config_groups = {}
     for i, (w, a, fmt, names) in enumerate(sorted(groups.values(), key=lambda g: g[3][0])):
-        config_groups[f"group_{i}"] = {"targets": ["Linear"] if len(groups) == 1 else sorted(names), "weights": w,
+        targets = ["Linear"] + sorted(n for n in by_name if n in names) if len(groups) == 1 else sorted(names)
+        config_groups[f"group_{i}"] = {"targets": targets, "weights": w,
                                        "input_activations": a, "output_activations": None, "format": fmt}
     formats = {g[2] for g in groups.values()}
     kv_args = next(iter(kv.values())).args() if kv else None
