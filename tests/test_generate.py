@@ -197,6 +197,56 @@ def test_streamer_gets_prompt_then_each_token(program):
     assert torch.equal(torch.stack(seen[1:5], dim=1), out[:, 3:])
 
 
+class _Compiled:
+    """Stands for a compiled program (``_orig_mod``: generate runs it as it is) and records, per
+    call, whether Dynamo's stance skips the guard check (``torch.compiler.set_stance``)."""
+
+    def __init__(self, program):
+        self._orig_mod, self.skipping = program, []
+
+    def __call__(self, ids, positions):
+        from torch._dynamo import eval_frame
+
+        self.skipping.append(eval_frame._stance.skip_guard_eval_unsafe)
+        return self._orig_mod(ids, positions)
+
+
+def _skipping_now() -> bool:
+    from torch._dynamo import eval_frame
+
+    return eval_frame._stance.skip_guard_eval_unsafe
+
+
+def test_decode_steps_after_the_first_skip_full_guard_checks(llama, program):
+    """With compile=True the prefill and the first decode step run with Dynamo's full guard check
+    (they may compile), the later steps only with the differentiating guards; the stance ends with
+    the loop (also when a streamer raises), and compile=False never sets it. Tokens stay
+    transformers' greedy ones."""
+    ids = _prompt(5)
+    run = _Compiled(program)
+    out = quantkit.generate(run, ids, max_new_tokens=5)
+    assert run.skipping == [False, False, True, True, True]
+    assert torch.equal(out, _hf_greedy(llama, ids, 5))
+    assert not _skipping_now()
+
+    run = _Compiled(program)
+    quantkit.generate(run, ids, max_new_tokens=5, compile=False)
+    assert run.skipping == [False] * 5
+
+    class Raises:
+        def put(self, value):
+            if value.dim() == 1 and _skipping_now():
+                raise KeyboardInterrupt
+
+        def end(self):
+            pass
+
+    run = _Compiled(program)
+    with pytest.raises(KeyboardInterrupt):
+        quantkit.generate(run, ids, max_new_tokens=5, streamer=Raises())
+    assert run.skipping == [False, False] and not _skipping_now()  # raised in the stance, before step 2
+
+
 # --- the CLI ---------------------------------------------------------------------------------
 
 def _word_tokenizer():
