@@ -2,17 +2,19 @@
 tokens (``generate(compile=True)``: the scheme's lowering passes and kernels) equal those of its
 reference q/dq program (``compile=False``: the converted graph as it is).
 
-The model is a tiny random Llama (2 layers, hidden 64, vocab 128). Its lm_head is scaled by
-``HEAD_SCALE`` so that the greedy choice is decisive: on random weights the two best logits can lie
-within a kernel's rounding of each other (different summation order, a dynamic activation scale one
-ulp off), and a flipped tie would fail the test without a bug. The scaling spreads the logits (the
-softmax is sharper) but changes no quantization (lm_head's weights are scaled as a whole, and every
-scheme's weight scale scales with them). The smallest top-1 margin is in the failure message.
+The model is a tiny random Llama (2 layers, hidden 64, vocab 128). On random weights two logits can
+lie within a kernel's rounding of each other (measured: compiled and reference logits differ by up
+to 1.5e-5 for w4a16, logits of std 0.16, while the smallest top-1 margin along a w8a8 continuation
+is 1e-4), so a flipped near-tie would fail the test without a bug. Scaling the lm_head does not help:
+it scales the rounding differences with the margins. Instead the tokens must agree up to the first
+step whose reference margin is below ``TIE`` (60x the measured difference), and at least
+``MIN_DECISIVE`` of the 8 steps must be decisive, so the test cannot pass on near-ties alone (with
+these seeds every scheme's 8 steps are decisive but w8a8's last, margin 1e-4: 7 tokens compared).
 
 Compiling here is ``quantkit.compile(..., backend="eager")``: its FX lowerings (the int4/int8/FP8
 kernels, the reference fallbacks) rewrite the graph exactly as for Inductor, and Dynamo traces the
-prefill and decode graphs; only Inductor's code generation is left out (on 2 loaded cores it takes
-about 4x longer than Dynamo alone, measured). ``test_inductor_w4a16`` (slow) runs one scheme through
+prefill and decode graphs; only Inductor's code generation is left out (measured on 2 loaded cores:
+about 100 s for one scheme through Inductor, 7-20 s with the eager backend). ``test_inductor_w4a16`` (slow) runs one scheme through
 Inductor itself. The schemes share one captured program (each is prepared from a copy);
 ``test_quantize_with_max_cache_len`` runs ``quantize(..., max_cache_len=N, kv_cache="int8")`` whole.
 """
@@ -33,7 +35,8 @@ from quantkit.pipeline import kv_cache_info
 transformers = pytest.importorskip("transformers")
 
 VOCAB, MAX_LEN, PROMPT, NEW = 128, 24, 6, 8
-HEAD_SCALE = 8.0  # lm_head weights x8: top-1 margins well above kernel rounding (see the module doc)
+TIE = 1e-3  # a top-1 margin below this is a near-tie (see the module doc)
+MIN_DECISIVE = 4  # of the NEW greedy steps, at least this many before the first near-tie
 GROUP = 32  # hidden 64, intermediate 128: groups of 32 divide every linear's input
 
 SCHEMES = [
@@ -49,10 +52,7 @@ def llm():
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                                       max_position_embeddings=64, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(HEAD_SCALE)
-    return model
+    return transformers.LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="module")
@@ -85,25 +85,30 @@ def eager_backend(monkeypatch):
     generation_impl.clear_compiled()
 
 
-def _margin(program, ids) -> float:
-    """The smallest gap between the best and second-best logit along a greedy continuation."""
+def _margins(program, ids) -> torch.Tensor:
+    """The gap between the best and second-best logit at each greedy step of a continuation."""
     with torch.no_grad():
         logits = program(ids, torch.arange(ids.shape[1]))[0, PROMPT - 1:-1]
     top = logits.topk(2, dim=-1).values
-    return float((top[:, 0] - top[:, 1]).min())
+    return top[:, 0] - top[:, 1]
 
 
-def _check_generates(qlm, llm, prompt, what: str) -> None:
+def _check_generates(qlm, llm, prompt, what: str) -> int:
+    """Compiled greedy tokens equal the reference program's up to its first near-tie; returns how many."""
     reference = quantkit.generate(qlm, prompt, max_new_tokens=NEW, compile=False)
     compiled = quantkit.generate(qlm, prompt, max_new_tokens=NEW, compile=True)
-    assert reference.shape == (1, PROMPT + NEW)
-    assert torch.equal(compiled, reference), (
-        f"{what}: compiled {compiled[0, PROMPT:].tolist()} vs reference {reference[0, PROMPT:].tolist()} "
-        f"(smallest top-1 margin {_margin(qlm, reference):.3g})")
+    assert reference.shape == compiled.shape == (1, PROMPT + NEW)
+    margins = _margins(qlm, reference)
+    ties = (margins < TIE).nonzero()
+    decisive = int(ties[0]) if len(ties) else NEW  # the tokens before the first near-tie (it may flip)
+    assert decisive >= MIN_DECISIVE, f"{what}: a near-tie at step {decisive} (margins {margins.tolist()})"
+    got, want = compiled[0, PROMPT:PROMPT + decisive].tolist(), reference[0, PROMPT:PROMPT + decisive].tolist()
+    assert got == want, f"{what}: compiled {got} vs reference {want} (top-1 margins {margins.tolist()})"
     with torch.no_grad():  # and it is quantized: its logits are not the float model's
         ref_logits = llm(reference, use_cache=False).logits
         q_logits = qlm(reference, torch.arange(reference.shape[1]))
     assert not torch.allclose(q_logits, ref_logits, atol=1e-4), what
+    return decisive
 
 
 @pytest.mark.parametrize("name, extra", SCHEMES, ids=[n + ("-" + e["algorithm"] if e else "") for n, e in SCHEMES])
@@ -153,7 +158,6 @@ def test_inductor_w4a16(llm, data):
     CPU int4 kernel, tokens equal to the reference program's."""
     prompt, calib = data
     qlm = quantkit.quantize(llm, prompt, calib, scheme=_config("w4a16", {}), max_cache_len=MAX_LEN, progress=False)
-    reference = quantkit.generate(qlm, prompt, max_new_tokens=NEW, compile=False)
     generation_impl.clear_compiled()
-    assert torch.equal(quantkit.generate(qlm, prompt, max_new_tokens=NEW), reference)
+    _check_generates(qlm, llm, prompt, "w4a16 through Inductor")
     generation_impl.clear_compiled()
