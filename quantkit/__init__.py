@@ -38,6 +38,7 @@ from .pipeline._api import quantize
 from .sequential import quantize_pretrained
 from .export._artifact import load, save
 from .export._compressed_tensors import export_compressed_tensors
+from .export._gguf import export_gguf
 from .pipeline._calibrate import calibrate
 from .pipeline._distributed import shard
 from .pipeline._capture import capture
@@ -70,6 +71,7 @@ __all__ = [
     "save",
     "load",
     "export_compressed_tensors",
+    "export_gguf",
     "debug",
     "metrics",
     "sensitivity",

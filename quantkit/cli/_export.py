@@ -11,13 +11,14 @@ import dataclasses
 from pathlib import Path
 
 from .._quiet import silenced
+from . import _gguf
 from . import _inputs as inputs
 
 __all__ = ["FORMATS", "SUBDIR", "parse_formats", "check", "write", "summary", "describe", "refuse_sequential",
            "lm_head_float"]
 
-PT2, CT = "pt2", "compressed-tensors"
-FORMATS = (PT2, CT)
+PT2, CT, GGUF = "pt2", "compressed-tensors", _gguf.GGUF
+FORMATS = (PT2, CT, GGUF)
 SUBDIR = CT  # where --format pt2,compressed-tensors puts the HF directory inside the artifact
 
 
@@ -26,8 +27,8 @@ def parse_formats(text: str | None) -> tuple[str, ...]:
     names = [n.strip() for n in (text or PT2).split(",") if n.strip()]
     unknown = [n for n in names if n not in FORMATS]
     if unknown or not names:
-        raise inputs.UsageError(f"unknown --format {unknown[0] if unknown else text!r}; use pt2, compressed-tensors "
-                                "or pt2,compressed-tensors")
+        raise inputs.UsageError(f"unknown --format {unknown[0] if unknown else text!r}; use pt2, compressed-tensors, "
+                                "gguf or pt2 with one of them (pt2,compressed-tensors)")
     return tuple(f for f in FORMATS if f in names)
 
 
@@ -38,7 +39,7 @@ def check(args, spec: inputs.ModelSpec, out: Path, check_pt2_dir) -> Path:
                         ("--quantize-lm-head", getattr(args, "quantize_lm_head", False)),
                         ("--float-dtype", getattr(args, "float_dtype", None) is not None),
                         ("--engine", getattr(args, "engine", None) is not None)):
-        if given and CT not in formats:
+        if given and CT not in formats and not (flag == "--skip-unsupported" and GGUF in formats):
             raise inputs.UsageError(f"{flag} applies to --format compressed-tensors only; add it or drop {flag}")
     if CT in formats:
         _refuse_unexpressible(args)
@@ -50,6 +51,9 @@ def check(args, spec: inputs.ModelSpec, out: Path, check_pt2_dir) -> Path:
 
         check_source(_model_dir(spec))  # a quantized source fails here, before anything loads or calibrates
         check_available()
+    gguf_out = _gguf.check(args, spec, out, formats, force=args.force)  # --format gguf: OUT is the file
+    if gguf_out is not None:
+        return gguf_out
     if formats == (CT,):
         from ..export._compressed_tensors import check_out_dir
 

@@ -134,9 +134,12 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
     q.add_argument("--format", default="pt2", metavar="FORMATS",
                    help="what DIR gets: pt2 (quantkit's artifact; default), compressed-tensors (an HF checkpoint "
                         "transformers and vLLM load; pip install 'quantkit[serve]') or pt2,compressed-tensors "
-                        "(both: the HF directory in DIR/compressed-tensors)")
+                        "(both: the HF directory in DIR/compressed-tensors), gguf (OUT is a .gguf file llama.cpp runs: "
+                        "--scheme w4a16/w8a16 --group-size 32; pip install 'quantkit[gguf]') or pt2,gguf "
+                        "(DIR/model.gguf)")
     q.add_argument("--skip-unsupported", action="store_true",
-                   help="compressed-tensors: keep layers the format cannot express float (listed) instead of failing")
+                   help="compressed-tensors: keep layers the format cannot express float (listed) instead of failing; "
+                        "gguf: write them F16")
     q.add_argument("--quantize-lm-head", action="store_true",
                    help="compressed-tensors: quantize lm_head too, named in the targets (default: lm_head stays "
                         "float and is listed in ignore, as llm-compressor and vLLM expect)")

@@ -19,7 +19,7 @@ from ..quantizers._config import QuantConfig
 from ..quantizers._fp8 import FP8Config
 from ..quantizers._scheme import SchemeConfig, get_scheme
 from ..quantizers._weight_only import WeightOnlyConfig
-from . import _autotune, _export, _markdown, _sequential
+from . import _autotune, _export, _gguf, _markdown, _sequential
 from . import _data as datasets, _inputs as inputs, _report as report, _torchrun as torchrun
 from .._errors import QuantkitError
 from ._weight_only import WeightOnlyRecipe, check_weight_algorithm
@@ -450,6 +450,13 @@ def run_quantize(args, say) -> int:
             say("  " + _autotune.summary_line(tuned))
         return _autotune.exit_code(args, tuned)
 
+    if _export.parse_formats(args.format) == (_export.GGUF,):  # OUT is the .gguf file alone
+        gguf_export = _gguf.write(out, qmodel=qmodel, model_dir=_export._model_dir(spec), args=args)
+        say(f"wrote {out}: {metric['name']} mean {metric['mean_cosine']:.4f} (min {metric['min_cosine']:.4f}) vs float; "
+            f"{_gguf.describe(gguf_export)}")
+        return _autotune.exit_code(args, tuned)
+    gguf_export = None
+
     with contextlib.redirect_stderr(io.StringIO()):
         program = _artifact.export_converted(qmodel)
         if device.type != "cpu":  # artifacts are CPU programs: they load anywhere (eval --device moves them)
@@ -478,6 +485,8 @@ def run_quantize(args, say) -> int:
             ct_export = _export.write(tmp / _export.SUBDIR, qmodel=qmodel, spec=spec, loaded=loaded,
                                           batches=heldout, skip_unsupported=args.skip_unsupported, atomic=False,
                                           args=args)
+        if _export.GGUF in _export.parse_formats(args.format):  # the GGUF file beside model.pt2
+            gguf_export = _gguf.write(tmp / _gguf.FILE, qmodel=qmodel, model_dir=_export._model_dir(spec), args=args)
         t = clock.lap("save", t)
         clock.times["total"] = round(time.perf_counter() - clock.start, 2)
         int8_bytes = model_file.stat().st_size
@@ -506,6 +515,8 @@ def run_quantize(args, say) -> int:
                                "int8_gemm_fraction": fallback.int8_gemm_fraction}
         if ct_export is not None:
             rep["compressed_tensors"] = _export.summary(ct_export)
+        if gguf_export is not None:
+            rep["gguf"] = _gguf.summary(gguf_export)
         if any(str(r.get("dtype")) in ("int4", "uint4") for r in records):
             # whether quantkit's CPU int4 kernel runs these weights here, and why not (checked, not built)
             from ..kernels import int4_cpu_status  # not at import: quantkit.kernels decorates Triton kernels
@@ -520,6 +531,8 @@ def run_quantize(args, say) -> int:
         f"{clock.times['total']:.0f} s{note}")
     if ct_export is not None:
         say(f"  {out / _export.SUBDIR}: {_export.describe(ct_export)}")
+    if gguf_export is not None:
+        say(f"  {out / _gguf.FILE}: {_gguf.describe(gguf_export)}")
     if tuned is not None:
         say("  " + _autotune.summary_line(tuned))
     return _autotune.exit_code(args, tuned)
