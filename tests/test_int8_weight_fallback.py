@@ -21,7 +21,7 @@ from quantkit.pipeline._float_fallback import (INT8_WEIGHTS_META_KEY, finish_flo
                                                finish_recorded_float_layers, float_gemms, store_float_layers_int8)
 from quantkit.pipeline._layers import KeepFloat, source_dequantize
 from quantkit.pipeline._variants import Variants
-from quantkit.quantizers import W8A8Quantizer
+from quantkit.quantizers import QuantConfig, W8A8Quantizer
 from tests.models import make_mlp, make_transformer
 from tests.test_mixed_precision import _node_outputs
 
@@ -108,6 +108,51 @@ def test_variants_score_what_the_keep_float_build_computes(weights):
     assert finish_recorded_float_layers(copy.deepcopy(real)).get(f"{weights}_weights") == 0  # done by convert
     with pytest.raises(ValueError, match=r"unknown float layer weights 'fp16'; use 'bf16' or 'int8'"):
         finish_float_layers(copy.deepcopy(real), KEEP, "fp16")
+
+
+def test_variants_round_each_kept_weight_once_and_share_it(monkeypatch):
+    from quantkit.pipeline import _float_fallback
+
+    calls = []
+    rounding = _float_fallback.int8_weight
+    monkeypatch.setattr(_float_fallback, "int8_weight", lambda w: calls.append(w) or rounding(w))
+    model, x = make_transformer()
+    variants = Variants(model, (x[:4],), _calib(x), None, float_weights="int8")
+    first = variants.variant(KEEP)  # checked against a real build, which rounds for itself
+    built = len(calls)
+    second, third = variants.variant(KEEP[:1]), variants.variant(KEEP[1:])
+    assert variants.cheap is True and len(calls) == built  # the scoring copies' weights: rounded once
+    # a kept layer's weight (its int8 rounding, folded to float32) is one object in every copy: dequantized once
+    def weight(gm, layer):
+        w = {n.name: n for n in gm.graph.nodes}[layer].args[1]
+        assert w.op == "get_attr"
+        return get_attr(gm, w.target)
+
+    assert weight(first, KEEP[0]) is weight(second, KEEP[0]) and weight(first, KEEP[1]) is weight(third, KEEP[1])
+    with torch.no_grad():  # and each still computes its real build
+        real = variants.build(KEEP[:1])
+        finish_float_layers(real, KEEP[:1], "int8")
+        assert torch.equal(second(x), real(x))
+
+
+def test_calibrate_like_gives_the_observers_a_calibration_gives():
+    """The CLI's artifact copies the search's calibrated observers into its own prepared model (the
+    --skip layers float) instead of running the data again: the converted model is the same."""
+    model, x = make_transformer()
+    variants = Variants(model, (x[:4],), _calib(x), None)
+    quantizer = KeepFloat(W8A8Quantizer(), KEEP)
+    copied, fresh = quantkit.prepare(variants.float_graph, quantizer), quantkit.prepare(variants.float_graph, quantizer)
+    assert variants.calibrate_like(copied)
+    quantkit.calibrate(fresh, _calib(x), progress=False)
+    a, b = quantkit.convert(copied), quantkit.convert(fresh)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert a.meta["quantkit_qparams"] == b.meta["quantkit_qparams"]
+    with torch.no_grad():
+        assert torch.equal(a(x), b(x))
+    # another quantizer's observers (here: a histogram where the search used min-max) do not match
+    other = quantkit.prepare(variants.float_graph, W8A8Quantizer(QuantConfig(act_observer="histogram")))
+    assert not variants.calibrate_like(other) and "quantkit_calibrated_batches" not in other.meta
 
 
 def test_artifact_round_trip_keeps_int8_weights_and_the_size_drop(tmp_path):

@@ -576,7 +576,7 @@ def autotune(model: torch.nn.Module, example_inputs: Any, calib: Iterable, eval_
             report.speed["error"] = " ".join(str(exc).split())[:150] or type(exc).__name__
     if meter is not None:
         report.speed["noise"] = noise
-        report.speed["sources"] = dict(getattr(meter, "sources", {}) or {})
+        report.speed["sources"] = dict(meter.sources)
     report.notes = list(meter.notes) if meter is not None else []
     if not report.met:
         warnings.warn(f"autotune: {reason}; returning it anyway", stacklevel=2)
@@ -584,15 +584,14 @@ def autotune(model: torch.nn.Module, example_inputs: Any, calib: Iterable, eval_
 
 
 def _meter_noise(meter) -> float:
-    """The meter's tie margin (``Meter.noise``; :data:`SPEED_MARGIN` for a meter without one)."""
-    noise = getattr(meter, "noise", None)
-    return float(noise) if isinstance(noise, (int, float)) and 0 <= noise < 1 else SPEED_MARGIN
+    """The meter's tie margin (``Meter.noise``; :data:`SPEED_MARGIN` without a meter)."""
+    return SPEED_MARGIN if meter is None else float(meter.noise)
 
 
 def _estimates(meter) -> bool:
     """Whether the meter's latencies are cheap estimates (nothing compiled): then every candidate
     is timed, and the float models too."""
-    return meter is not None and getattr(meter, "measure", True) is False
+    return meter is not None and not meter.measure
 
 
 def _quick(r: AutoRecipe, gm, example_inputs, calib):

@@ -335,16 +335,11 @@ class Meter:
 
     # --- estimates --------------------------------------------------------------------------
 
-    def _kernel_ms(self, kernel: _costmodel.Kernel) -> float:
-        ms, src = self._cached(f"{self.machine}|{kernel.key()}",
-                               lambda: _costmodel.time_kernel(_costmodel.kernel_runner(kernel), self.threads))
-        if src != "memo":
-            self.kernel_timings[src] = self.kernel_timings.get(src, 0) + 1
-        return ms
-
-    def _constant(self, name: str) -> float:
-        ms, src = self._cached(f"{self.machine}|{name}",
-                               lambda: _costmodel.time_kernel(_costmodel.machine_runner(name), self.threads))
+    def _raw_ms(self, name: str, runner: Callable[[], Callable[[], Any]]) -> float:
+        """Ms of one raw timing (a kernel at its shapes, or a machine constant), once per machine
+        and run (``runner()`` builds what :func:`._costmodel.time_kernel` times), counted in
+        :attr:`kernel_timings` by where it came from."""
+        ms, src = self._cached(f"{self.machine}|{name}", lambda: _costmodel.time_kernel(runner(), self.threads))
         if src != "memo":
             self.kernel_timings[src] = self.kernel_timings.get(src, 0) + 1
         return ms
@@ -361,9 +356,10 @@ class Meter:
         """The estimated ms of ``quantkit.compile(gm)`` (or of the float graph), nothing compiled;
         ``kw`` as :func:`._costmodel.plan`'s (``cpu_kernels``, ``float_dtype``)."""
         p = self.plan(gm, **kw)
-        bandwidth = _costmodel.BANDWIDTH_BYTES / self._constant(_costmodel.BANDWIDTH)  # bytes per ms
-        op_ms = self._constant(_costmodel.OP_OVERHEAD)
-        return round(_costmodel.estimate_ms(p, self._kernel_ms, bandwidth, op_ms), 3)
+        constant = lambda name: self._raw_ms(name, lambda: _costmodel.machine_runner(name))  # noqa: E731
+        bandwidth = _costmodel.BANDWIDTH_BYTES / constant(_costmodel.BANDWIDTH)  # bytes per ms
+        kernel_ms = lambda k: self._raw_ms(k.key(), lambda: _costmodel.kernel_runner(k))  # noqa: E731
+        return round(_costmodel.estimate_ms(p, kernel_ms, bandwidth, constant(_costmodel.OP_OVERHEAD)), 3)
 
     # --- the agreed interface ---------------------------------------------------------------
 

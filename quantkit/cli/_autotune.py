@@ -117,9 +117,16 @@ def _as_cli(auto, base, skip=(), float_weights=None):
 
 
 def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names, progress, recipes):
-    """Search (or build the forced recipe); returns ``(chosen CLI Recipe, report dict)``."""
+    """Search (or build the forced recipe); returns ``(chosen CLI Recipe, report dict, donor)``.
+
+    ``donor``: None, or for a chosen fallback in one process, the search's calibrated model
+    (:meth:`~quantkit.pipeline._variants.Variants.calibrate_like`): ``quantize`` copies its observers
+    into the artifact's prepared model instead of calibrating again (the same statistics: one
+    process, the same batches; the copy is refused, and ``quantize`` calibrates, where an observer
+    does not match exactly). Under torchrun the ranks calibrate their shards together instead."""
     import quantkit
     from quantkit.accuracy import _autotune as at, _latency
+    from quantkit.pipeline._distributed import launched_world
     from quantkit.pipeline._inputs import call_model
     from quantkit.pipeline._variants import Variants, scoring_copy
 
@@ -129,7 +136,7 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
 
     if len(recipes) == 1 and not recipes[0].fallback:  # forced: nothing to search, quantize builds it
         return _as_cli(recipes[0], base), {"mode": "forced", "chosen": recipes[0].name, "met": None,
-                                           "reason": f"forced with --recipe {recipes[0].name}", "trials": []}
+                                           "reason": f"forced with --recipe {recipes[0].name}", "trials": []}, None
     with torch.no_grad():
         kind = report.output_kind(call_model(loaded.model, heldout[0]), heldout[0])
     key, default = ("top1_agreement", at.DEFAULT_TARGETS["top1"]) if kind == report.LOGITS else \
@@ -140,6 +147,7 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
     cli_of: dict[str, object] = {}
     calibrated: dict = {}  # static recipe -> its calibrated prepared model (the fallback's base)
     bases: dict = {}  # static recipe -> Variants of its calibrated model (fallback, weight bounds)
+    donors: dict = {}  # fallback recipe -> the Variants whose calibration its artifact can copy
 
     def variants_of(b, cli, float_weights="fp32"):
         k = (b.name, float_weights)
@@ -194,6 +202,7 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
             if len(skip) < len(layers):  # a top-level op has no module to name with --skip
                 raise ValueError("a sensitive layer has no module name to keep float with --skip")
             cli_of[auto.name] = _as_cli(b, base, skip, float_weights=weights)
+            donors[auto.name] = variants
             return q, score, {"base": b.name, "float_weights": weights,
                               "float_layers": [layer.label for layer in layers]}
         cli = _as_cli(auto, base)
@@ -238,7 +247,7 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
         except Exception as exc:  # report, don't fail: the artifact stands without the timing
             speed = {"error": " ".join(str(exc).split())[:150] or type(exc).__name__}
         speed["noise"] = noise
-    sources = dict(getattr(meter, "sources", {}) or {}) if meter is not None else {}
+    sources = dict(meter.sources) if meter is not None else {}
     cpu_note = _cpu_note() if meter is not None else None
     how = ("estimated per kernel (accuracy/_costmodel: nothing compiled)" if estimated else
            "compiled (quantkit.compile / Inductor freezing), median ms per call on one calibration batch")
@@ -251,7 +260,11 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
     if not auto_mode:
         doc["reason"] = f"forced with --recipe {chosen.recipe}"
         doc["met"] = chosen.score is not None and chosen.score >= target
-    return cli_of[chosen.recipe], doc
+    chosen_cli = cli_of[chosen.recipe]
+    # a weight algorithm (GPTQ) rounds at calibration: only plain rounding copies observers alone
+    donor = donors.get(chosen.recipe) if launched_world() <= 1 and chosen_cli.weight_algorithm == "rtn" \
+        else None
+    return chosen_cli, doc, donor
 
 
 def _cpu_note() -> str | None:

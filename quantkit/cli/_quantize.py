@@ -400,9 +400,9 @@ def run_quantize(args, say) -> int:
             gm = quantkit.capture(loaded.model, tuple(x.to(device) for x in loaded.example))
     t = clock.lap("capture", t)
     _check_captured(recipe, gm, module_names)
-    tuned = None
+    tuned = donor = None
     if autos is not None:  # --recipe auto|NAME: choose the recipe, then build it below as if flagged
-        recipe, tuned = _autotune.choose(args, recipe, loaded, gm, calib, heldout, heldout_origins,
+        recipe, tuned, donor = _autotune.choose(args, recipe, loaded, gm, calib, heldout, heldout_origins,
                                              module_names, progress, autos)
         quantizer = recipe.quantizer(module_names)
         _check_captured(recipe, gm, module_names)
@@ -422,7 +422,9 @@ def run_quantize(args, say) -> int:
                                 "raise the budget or quantize without it")
     else:
         prepared = quantkit.prepare(gm, quantizer)
-        torchrun.calibrate(prepared, calib, progress=progress)  # under torchrun: this rank's shard, then synced
+        # the search's calibration of these batches, copied where every observer matches (one process)
+        if donor is None or not donor.calibrate_like(prepared):
+            torchrun.calibrate(prepared, calib, progress=progress)  # under torchrun: this rank's shard, then synced
         t = clock.lap("calibrate", t)
         qmodel = quantkit.convert(prepared)
         recipe.finish(qmodel, module_names)  # the fallback's float layers: bf16 weights
@@ -478,6 +480,8 @@ def run_quantize(args, say) -> int:
                                                                "size_bytes", "pareto")} for t in tuned["trials"]]}
     with _artifact.atomic_dir(out, overwrite=args.force, flag="--force") as tmp:
         model_file = _artifact.write_program(program, tmp)
+        # sealed as written: atomic_dir's seal then finds the digest in place and rewrites nothing
+        doc["model_sha256"] = _artifact.file_sha256(model_file)
         _artifact.write_json(tmp / _artifact.RECIPE_FILE, report.json_safe(doc))
         if loaded.tokenizer is not None:
             loaded.tokenizer.save_pretrained(str(tmp / TOKENIZER_DIR))

@@ -267,8 +267,9 @@ def read_json(path: Path) -> dict:
 
 
 def _num(v) -> str:
-    # 9 significant digits round-trip float32 (scales are float32)
-    return str(v) if isinstance(v, int) else json.dumps(float(f"{v:.9g}"))
+    # 9 significant digits round-trip float32 (scales are float32); repr is what json.dumps writes
+    # for a finite float (write_json refuses the others), without its per-call overhead
+    return str(v) if isinstance(v, int) else repr(float(f"{v:.9g}"))
 
 
 def _inline(value) -> str:

@@ -177,7 +177,7 @@ def _own_float32_weights(gm: GraphModule, layers: list[Node], ops=None):
             yield target, tensor, readers
 
 
-def store_float_layers_bf16(gm: GraphModule, names=None) -> int:
+def store_float_layers_bf16(gm: GraphModule, names=None, *, rounded: dict | None = None) -> int:
     """Store the weights of ``gm``'s float GEMMs as bf16, each read through a cast to float32; in place.
 
     Args:
@@ -188,7 +188,9 @@ def store_float_layers_bf16(gm: GraphModule, names=None) -> int:
 
     A weight attribute that anything other than the chosen float layers also reads (a tied
     embedding, an int8 layer) stays float32. The names stored are added to
-    ``gm.meta[FLOAT_WEIGHTS_META_KEY]``.
+    ``gm.meta[FLOAT_WEIGHTS_META_KEY]``. ``rounded``: a memo shared by calls on graphs that hold
+    the same float weights (``Variants``' scoring copies): each weight is rounded once, and the
+    graphs share its rounded tensor. It keeps the weights it has seen alive.
 
     Returns:
         The number of weight tensors now stored in bf16.
@@ -200,7 +202,7 @@ def store_float_layers_bf16(gm: GraphModule, names=None) -> int:
     """
     layers, done, stored = _chosen_float_layers(gm, names), set(), 0
     for target, tensor, readers in _own_float32_weights(gm, layers):
-        set_attr(gm, target, tensor.to(torch.bfloat16))
+        set_attr(gm, target, _memoised(rounded, tensor, lambda t: t.to(torch.bfloat16)))
         for r in readers:
             val = r.meta.pop("val", None)
             r.meta.pop("tensor_meta", None)
@@ -224,6 +226,16 @@ INT8_WEIGHTS_META_KEY = "quantkit_int8_weight_float_layers"
 _INT8_RANGE = (-127, 127)  # symmetric, as W8A8's weights: no -128, so -w rounds to -q
 
 
+def _memoised(rounded: dict | None, tensor: torch.Tensor, make):
+    """``make(tensor)``, once per tensor and memo (``rounded``; None: no memo). The memo holds
+    ``tensor``, so its id is not reused while the entry lives."""
+    if rounded is None:
+        return make(tensor)
+    if id(tensor) not in rounded:
+        rounded[id(tensor)] = (tensor, make(tensor))
+    return rounded[id(tensor)][1]
+
+
 def int8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, scale, zero_point)``: ``w`` rounded to int8 per output channel (dim 0), symmetric in
     [-127, 127] with the scale ``absmax / 127`` (quantkit._qmath.choose_qparams, as W8A8's
@@ -234,14 +246,15 @@ def int8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return qmath_quantize(w.detach(), scale, zp, *_INT8_RANGE, torch.int8, axis=0), scale, zp
 
 
-def store_float_layers_int8(gm: GraphModule, names=None) -> int:
+def store_float_layers_int8(gm: GraphModule, names=None, *, rounded: dict | None = None) -> int:
     """Store the weights of ``gm``'s float GEMMs as int8 per output channel, each read through its
     ``dequantize_per_channel``; in place. The layer still computes in float on its float input (no
     activation rounding: what made it sensitive), the artifact holds 1 byte per weight as an int8
     layer does, and a compile with freezing folds the dequantize into a constant weight.
 
     Args, guards and return value as :func:`store_float_layers_bf16` (names stored go to
-    ``gm.meta[INT8_WEIGHTS_META_KEY]``).
+    ``gm.meta[INT8_WEIGHTS_META_KEY]``; with a ``rounded`` memo, the graphs share each weight's int8
+    tensor, scale and zero point, so a scoring copy's folded dequantize is computed once too).
 
     Numerics: each weight moves by at most half its channel's step ``absmax / 127``.
 
@@ -254,7 +267,7 @@ def store_float_layers_int8(gm: GraphModule, names=None) -> int:
     for target, tensor, readers in _own_float32_weights(gm, layers, ops=_WEIGHT_AXIS0):
         if tensor.dim() < 2:
             continue
-        q, scale, zp = int8_weight(tensor)
+        q, scale, zp = _memoised(rounded, tensor, int8_weight)
         # quantization.json describes this int8 tensor as it does convert's (plus: its layer reads float)
         users = sorted({u.name for r in readers for u in r.users})
         gm.meta.setdefault(QPARAMS_META_KEY, []).append({
@@ -306,17 +319,19 @@ def _weight_source_target(layer: Node) -> str | None:
 _STORES = {"bf16": store_float_layers_bf16, "int8": store_float_layers_int8}
 
 
-def finish_float_layers(gm: GraphModule, names=None, weights: str = "bf16") -> dict[str, int]:
+def finish_float_layers(gm: GraphModule, names=None, weights: str = "bf16", *,
+                        rounded: dict | None = None) -> dict[str, int]:
     """Both steps on a converted graph, in place: :func:`drop_stray_qdq`, then
     :func:`store_float_layers_bf16` (``weights="bf16"``) or :func:`store_float_layers_int8`
-    (``"int8"``) for ``names`` (None: every float GEMM).
+    (``"int8"``) for ``names`` (None: every float GEMM), sharing their ``rounded`` memo.
 
     Returns:
         ``{"stray_qdq_inputs": ..., "bf16_weights": ...}`` (``"int8_weights"`` for int8).
     """
     if weights not in _STORES:
         raise ValueError(f"unknown float layer weights {weights!r}; use 'bf16' or 'int8'")
-    return {"stray_qdq_inputs": drop_stray_qdq(gm), f"{weights}_weights": _STORES[weights](gm, names)}
+    stray = drop_stray_qdq(gm)
+    return {"stray_qdq_inputs": stray, f"{weights}_weights": _STORES[weights](gm, names, rounded=rounded)}
 
 
 def finish_recorded_float_layers(converted: GraphModule) -> dict[str, int]:

@@ -26,8 +26,8 @@ from typing import Iterable
 import torch
 from torch.fx import GraphModule, Node
 
-from quantkit._graph import (CHOOSE_QPARAMS_OPS, DEQUANTIZE_OPS, QUANTIZE_OPS, get_attr, is_observer_node,
-                             unique_attr_name)
+from quantkit._graph import (CHOOSE_QPARAMS_OPS, DEQUANTIZE_OPS, QUANTIZE_OPS, constant_value, get_attr,
+                             is_observer_node, unique_attr_name)
 from quantkit.observers import DerivedObserver
 from quantkit.quantizers import W8A8Quantizer
 
@@ -37,7 +37,7 @@ from ._convert import convert, convert_in_place
 from ._float_fallback import finish_float_layers
 from ._inputs import call_model
 from ._layers import _MOVES, FLOAT_WEIGHT_DTYPES, KeepFloat, Layer, find_layers
-from ._prepare import prepare
+from ._prepare import from_attributes, prepare
 
 __all__ = ["Variants", "fuse_qdq", "scoring_copy", "Resumed", "SCORING_WEIGHTS_META_KEY"]
 
@@ -88,25 +88,11 @@ def _float_weights(prepared: GraphModule, layers: list[Layer]) -> dict[str, dict
             src = arg.args[0]
             if src.op == "get_attr":
                 weights[i] = get_attr(prepared, src.target)
-            elif _constant(src):
+            elif from_attributes(src):
                 weights = None  # a computed constant (a transposed weight): not a plain attribute
                 break
         out[layer.name] = weights
     return out
-
-
-def _constant(node: Node) -> bool:
-    """Whether ``node`` is computed from attributes alone (no graph input reaches it)."""
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            return False
-        todo.extend(a for a in n.all_input_nodes)
-    return True
 
 
 def _terminals(dq: Node, out: set) -> bool:
@@ -183,6 +169,8 @@ class Variants:
         self.cheap: bool | None = False if dynamic else None
         self.built = 0  # real builds (prepare + convert) done, for tests and reports
         self._scoring: GraphModule | None = None  # the all-int8 model's scoring copy
+        # int8 float-layer weights, rounded once per weight for all scoring copies (float_weights="int8")
+        self._rounded: dict = {}
 
     def quantizer_for(self, keep_float: Iterable[str]):
         names = frozenset(keep_float)
@@ -199,12 +187,21 @@ class Variants:
         if not any(is_observer_node(n, modules) for n in prepared.graph.nodes):
             prepared.meta.pop("quantkit_prepared", None)
             return prepared  # everything float: nothing to convert
-        if self._copy_observers(prepared):
-            prepared.meta["quantkit_calibrated_batches"] = self._batches
-        else:
+        if not self.calibrate_like(prepared):
             self.rebuilt += 1
             calibrate(prepared, self.calib_data, progress=False, distributed=False)  # every rank has all the data
         return convert_in_place(prepared)  # our own prepared model: no copy needed
+
+    def calibrate_like(self, prepared: GraphModule) -> bool:
+        """Give ``prepared`` (this float graph prepared again, e.g. with some layers skipped) copies of
+        this object's calibrated observers, in place, where each of its observers matches one here
+        exactly (the same configuration watching the same tensors): what calibrating it on the same
+        data gives, without running the data again. Returns False, changing nothing, where they do
+        not all match (then calibrate it)."""
+        if not self._copy_observers(prepared):
+            return False
+        prepared.meta["quantkit_calibrated_batches"] = self._batches
+        return True
 
     def variant(self, keep_float: Iterable[str]) -> GraphModule:
         """A model computing what ``build(keep_float)`` computes, for scoring only: the converted
@@ -222,7 +219,7 @@ class Variants:
         if cheap is None:
             return self.build(names)
         if self.float_weights != "fp32":  # what convert does for KeepFloat(float_weights=...)
-            finish_float_layers(cheap, sorted(names), self.float_weights)
+            finish_float_layers(cheap, sorted(names), self.float_weights, rounded=self._rounded)
         if self.cheap is None:  # the first one is checked against the real build, bit for bit
             real = self.build(names)
             self.cheap = _same(cheap, real, next(iter(self.calib_data)))
@@ -294,36 +291,54 @@ _Q, _DQ = torch.ops.quantized_decomposed.quantize_per_tensor.default, torch.ops.
 
 
 def _fake_quant(x: torch.Tensor, inv_scale: float, scale: float, zero_point: int, qmin: int, qmax: int) -> torch.Tensor:
-    """``dequantize_per_tensor(quantize_per_tensor(x))`` in one buffer: the same float32 operations
-    in the same order (``round(x * (1/s)) + zp``, clamped; ``- zp``, ``* s``) without the integer
-    tensor in between, whose two conversions are exact for the integers the clamp leaves."""
+    """``dequantize_per_tensor(quantize_per_tensor(x))`` in one buffer and four passes: the values
+    of ``(clamp(round(x * (1/s)) + zp, qmin, qmax) - zp) * s`` without the integer tensor in between.
+    ``r = round(x * (1/s))`` is clamped to ``[qmin - zp, qmax - zp]`` directly: for ``|r| < 2**24``
+    adding and subtracting the integer ``zp`` is exact in float32, and a larger ``|r|`` lies beyond
+    both bounds either way, so every value is equal (``==``); only a small negative input that
+    rounds to zero keeps the sign, ``-0.0``, which no sum, product or norm downstream can tell from
+    ``0.0``. (NaN stays NaN, where the integer tensor would hold some integer: a search scores a
+    non-finite output as failing either way.)"""
     t = torch.mul(x, inv_scale)
-    t.round_().add_(zero_point).clamp_(qmin, qmax)
-    return t.sub_(zero_point).mul_(scale)
+    return t.round_().clamp_(qmin - zero_point, qmax - zero_point).mul_(scale)
 
 
-# id(int8 weight) -> (a weak reference to it, {(its dequantize's other arguments): the float32
-# weight}): the scoring copies of one search share their int8 weights, so each weight is dequantized
-# once per search; an entry goes with its weight (a WeakKeyDictionary would compare tensors with ==)
-_DEQUANTIZED: dict[int, tuple[weakref.ref, dict]] = {}
+# the int8 weight's memory (storage address and offset, shape, strides, dtype) -> (a weak reference
+# to the first tensor seen there, its version counter, {(its dequantize's other arguments): the
+# float32 weight}): the scoring copies of one search share their int8 weights' memory (each graph
+# holds its own Parameter object for it), so each weight is dequantized once per search. An entry
+# goes with that first tensor (while it lives, so does the memory: no other tensor has its address),
+# and an in-place write (a new version) starts it afresh
+_DEQUANTIZED: dict[tuple, tuple[weakref.ref, int, dict]] = {}
 # gm.meta key of a scoring copy: {float32 buffer name: the int8 weight attribute it stands for}
 SCORING_WEIGHTS_META_KEY = "quantkit_scoring_weights"
 
 
 def _memo_of(weight: torch.Tensor) -> dict:
-    entry = _DEQUANTIZED.get(id(weight))
-    if entry is None or entry[0]() is not weight:
-        entry = _DEQUANTIZED[id(weight)] = (weakref.ref(weight), {})
-        weakref.finalize(weight, _DEQUANTIZED.pop, id(weight), None)
-    return entry[1]
+    key = (weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape), weight.stride(),
+           weight.dtype)
+    entry = _DEQUANTIZED.get(key)
+    if entry is None or entry[0]() is None or entry[1] != weight._version:
+        entry = _DEQUANTIZED[key] = (weakref.ref(weight), weight._version, {})
+        weakref.finalize(weight, _forget, key, entry)
+    return entry[2]
 
 
-def _constant_dequantize(gm: GraphModule, dq: Node) -> torch.Tensor | None:
-    """The float value of a ``dequantize`` whose tensor inputs are all attributes (a weight), computed
-    once by the op itself (so bit-equal to what every call computed); None for any other dequantize."""
+def _forget(key: tuple, entry: tuple) -> None:
+    if _DEQUANTIZED.get(key) is entry:  # not an entry made since for the same memory
+        del _DEQUANTIZED[key]
+
+
+def _constant_dequantize(gm: GraphModule, dq: Node, constants: dict) -> torch.Tensor | None:
+    """The float value of a ``dequantize`` whose tensor inputs are all attributes that the graph
+    never writes (a weight; read by :func:`quantkit._graph.constant_value` with its memo
+    ``constants``), computed once per int8 tensor and qparams across graphs by the op itself (so
+    bit-equal to what every call computed); None for any other dequantize."""
     if dq.kwargs or not dq.args or not all(not isinstance(a, Node) or a.op == "get_attr" for a in dq.args):
         return None
-    values = [get_attr(gm, a.target) if isinstance(a, Node) else a for a in dq.args]
+    values = [constant_value(gm, a, constants) for a in dq.args]
+    if any(v is None for a, v in zip(dq.args, values) if isinstance(a, Node)):  # an attribute the graph writes
+        return None
     weight = values[0]
     if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.int8, torch.uint8):
         return None
@@ -343,9 +358,10 @@ def fuse_qdq(gm: GraphModule) -> GraphModule:
     forward on CPU); and every int8 weight's dequantize becomes its float32 value, computed once
     (the per-channel dequantize of every weight at every call was a fifth of the default search).
     For scoring copies only: the graph no longer has the ops a lowering matches."""
+    constants: dict = {}
     for dq in list(gm.graph.nodes):
         if dq.op == "call_function" and dq.target in DEQUANTIZE_OPS:
-            value = _constant_dequantize(gm, dq)
+            value = _constant_dequantize(gm, dq, constants)
             if value is not None:
                 # named after the int8 weight: every scoring copy names one weight alike (Resumed matches by name)
                 name = unique_attr_name(gm, "_qk_fp32_" + str(dq.args[0].target).replace(".", "_"), sep="_")
