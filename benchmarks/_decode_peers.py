@@ -196,7 +196,9 @@ def _torchao_int4(folder, max_cache_len, shared, group_size=64):
     # tile_packed_to_4d are CUDA/XPU/NPU); CPU int4 weight-only is the prototype config, whose
     # Int4OpaqueTensor runs aten._weight_int4pack_mm_for_cpu. Activations bf16 (tinygemm's dtype).
     model = _hf_model(folder, torch.bfloat16)
-    quantize_(model, PrototypeInt4WeightOnlyConfig(group_size=group_size))
+    # set_inductor_config=False: its recommended settings are process-wide and would change the other
+    # compiled rows of this run (they are GPU/Triton tuning knobs)
+    quantize_(model, PrototypeInt4WeightOnlyConfig(group_size=group_size, set_inductor_config=False))
     wrapper = _HFStatic(model, max_cache_len)
     return _TorchEngine(torch.compile(wrapper), wrapper.cache.reset)
 
