@@ -93,6 +93,13 @@ def test_meter_on_rank_1_uses_rank_0s_kernel_timings(agent, tmp_path, monkeypatc
     model, x = make_transformer()
     gm = quantkit.capture(model, (x,))
     q = quantkit.quantize(gm, (x,), [(x,)], W8A8Quantizer(QuantConfig()), progress=False)
+    # the kernel set of an AVX2-only CPU: VNNI adds per-token kernels, native BF16 bf16 GEMMs
+    from quantkit.lowering import _bf16, _onednn
+
+    for mod in (_costmodel, _latency, _onednn):
+        monkeypatch.setattr(mod, "exact_on_this_cpu", lambda: False)
+    for mod in (_costmodel, _latency, _bf16):
+        monkeypatch.setattr(mod, "bf16_supported", lambda: False)
     estimates = {}
     for rank, ms in ((0, 1.0), (1, 5.0)):
         agent(rank)
