@@ -241,12 +241,13 @@ def test_float_export_metadata_and_tokenizer(request, tmp_path, arch):
     assert half.tensors["blk.0.attn_q.weight"] == "F16" and half.tensors["blk.0.attn_norm.weight"] == "F32"
 
 
-def test_llamacpp_runs_it(llama, tmp_path):
+@pytest.mark.parametrize("algorithm", ["rtn", "gptq"])
+def test_llamacpp_runs_it(llama, tmp_path, algorithm):
     """llama.cpp itself loads the Q4_0 file and computes quantkit's logits (its 8-bit activations
-    aside: measured min cosine 0.99996 on this model)."""
+    aside: measured min cosine 0.99996 on this model), GPTQ's rounding included."""
     llama_cpp = pytest.importorskip("llama_cpp")
     model, path, batch, gm = llama
-    qmodel = _quantize(gm, batch, WeightOnlyQuantizer(bits=4, group_size=32, symmetric=True))
+    qmodel = _quantize(gm, batch, WeightOnlyQuantizer(bits=4, group_size=32, symmetric=True, algorithm=algorithm))
     out = tmp_path / "q.gguf"
     quantkit.export_gguf(qmodel, out, model=path)
     llm = llama_cpp.Llama(str(out), logits_all=True, n_threads=2, n_ctx=32, verbose=False)
@@ -286,6 +287,16 @@ def test_refuses_weights_gguf_cannot_hold(llama, tmp_path, kwargs, message):
     assert "skip_unsupported=True" in msg
     res = quantkit.export_gguf(qmodel, out, model=path, skip_unsupported=True)
     assert res.kept_float and res.tensors["blk.0.attn_q.weight"] == "F32"
+
+
+def test_refuses_awq_scales_left_as_a_mul(llama, tmp_path):
+    """AWQ on this captured Llama keeps 1/s as explicit muls before the linears (none folds into the
+    decomposed RMSNorm or a quantized neighbour); GGUF has no tensor for them: refused, one line."""
+    _, path, batch, gm = llama
+    qmodel = _quantize(gm, batch, WeightOnlyQuantizer(bits=4, group_size=32, symmetric=True, algorithm="awq"))
+    with pytest.raises(QuantkitError) as exc:
+        quantkit.export_gguf(qmodel, tmp_path / "x.gguf", model=path, skip_unsupported=True)
+    assert "scales a linear's input by a constant (AWQ" in _one_line(exc) and not (tmp_path / "x.gguf").exists()
 
 
 def test_refuses_activation_quantization_and_other_architectures(llama, tmp_path):
