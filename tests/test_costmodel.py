@@ -179,9 +179,10 @@ def test_each_kernel_is_timed_once_per_machine(block, timer, monkeypatch):
     assert len(timed) == 7 and again.kernel_timings == {"cache": 7} and again.measured == 0
 
 
-def test_bad_kernel_entries_are_timed_again_with_a_note(block, timer):
+def test_bad_kernel_entries_are_timed_again_with_a_note(block, timer, monkeypatch):
     _, x, gm, q = block
     timed, _, path = timer
+    _vnni_bf16(monkeypatch, vnni=False, bf16=False)  # the reference graph's fp32 linears (VNNI times qlinears)
     _latency.Meter(gm, (x,)).int8(q["static"], "static")
     doc = json.loads(path.read_text())
     bad = next(k for k in doc if "|kernel|linear|" in k)
