@@ -42,14 +42,6 @@ GOAL_PPL_DELTA = 0.5  # % added perplexity allowed (issue 29)
 GOAL_BYTES = 0.5  # x bf16
 
 
-def _windows(tokenizer, text: str, window: int, count: int) -> torch.Tensor:
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
-    n = min(count, ids.numel() // window)
-    if n == 0:
-        raise SystemExit(f"the text has {ids.numel()} tokens, fewer than one window of {window}")
-    return ids[: n * window].view(n, window)
-
-
 @torch.no_grad()
 def perplexity(model, windows: torch.Tensor, make_cache) -> float:
     """exp(mean NLL) over ``windows [n, W]``, each window one forward through a fresh cache."""
@@ -74,21 +66,14 @@ def main(argv=None) -> int:
 
     from tests import _smollm2
 
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
     try:
-        folder = _smollm2.smollm2_dir()
-        text = _smollm2.web_text()
+        tok, model, held, cal = _smollm2.smollm2_windows(args.window, args.windows, args.calibration)
     except _smollm2.MissingModel as exc:
         print(f"skipped: {exc}")
         return 0
-    import transformers
-
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    tok = transformers.AutoTokenizer.from_pretrained(folder)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     cfg = model.config
-    held = _windows(tok, text.heldout_text(), args.window, args.windows)
-    cal = _windows(tok, text.calibration_text(), args.window, args.calibration)
     print(f"SmolLM2-135M-Instruct fp32 weights; {held.shape[0]} held-out windows of {args.window} tokens "
           f"({held.numel()} tokens), scales from {cal.shape[0]} calibration windows; {platform.processor() or platform.machine()}, "
           f"{args.threads} threads, load {os.getloadavg()[0]:.2f}")

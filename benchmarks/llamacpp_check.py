@@ -49,12 +49,6 @@ RECIPES = [  # (name, WeightOnlyQuantizer kwargs, GGUF type)
 ]
 
 
-def _windows(tok, text: str, window: int, count: int) -> torch.Tensor:
-    ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
-    n = min(count, ids.numel() // window)
-    return ids[: n * window].view(n, window)
-
-
 def _nll(logits: torch.Tensor, ids: torch.Tensor) -> float:
     return torch.nn.functional.cross_entropy(logits[:-1].double(), ids[1:], reduction="sum").item()
 
@@ -140,20 +134,14 @@ def main(argv=None) -> int:
 
     from tests import _smollm2
 
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
     try:
-        folder = _smollm2.smollm2_dir()
-        text = _smollm2.web_text()
+        tok, model, held, cal = _smollm2.smollm2_windows(args.window, args.windows, args.calibration)
     except _smollm2.MissingModel as exc:
         print(f"skipped: {exc}")
         return 0
-    import transformers
-
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    tok = transformers.AutoTokenizer.from_pretrained(folder)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    held = _windows(tok, text.heldout_text(), args.window, args.windows)
-    cal = _windows(tok, text.calibration_text(), args.window, args.calibration)
+    folder = _smollm2.smollm2_dir()
     batches = [{"input_ids": r.unsqueeze(0), "attention_mask": torch.ones(1, r.numel(), dtype=torch.long)}
                for r in cal]
     print(f"SmolLM2-135M-Instruct; {held.shape[0]} held-out windows of {args.window} tokens, {len(batches)} "

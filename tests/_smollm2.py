@@ -214,3 +214,35 @@ def web_text() -> WebText:
     held = tuple(c for i, c in enumerate(ordered) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1)
     cal = tuple(c for i, c in enumerate(ordered) if i % HELDOUT_EVERY != HELDOUT_EVERY - 1)
     return WebText(calibration=cal, heldout=held)
+
+
+def token_windows(tokenizer, text: str, window: int, count: int):
+    """The first ``count`` non-overlapping ``window``-token rows of ``text``: LongTensor ``[n, window]``.
+
+    Raises:
+        ValueError: the text holds fewer than ``window`` tokens.
+    """
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    n = min(count, ids.numel() // window)
+    if n == 0:
+        raise ValueError(f"the text has {ids.numel()} tokens, fewer than one window of {window}")
+    return ids[: n * window].view(n, window)
+
+
+def smollm2_windows(window: int, heldout: int, calibration: int):
+    """What the SmolLM2 benchmarks start from: ``(tokenizer, fp32 model, held-out windows, calibration windows)``.
+
+    The windows (:func:`token_windows`) come from :func:`web_text`'s held-out and calibration chapters.
+
+    Raises:
+        MissingModel: a package the model or the text needs is not installed (the message says how).
+    """
+    import torch
+    import transformers
+
+    folder = smollm2_dir()
+    text = web_text()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return (tokenizer, model, token_windows(tokenizer, text.heldout_text(), window, heldout),
+            token_windows(tokenizer, text.calibration_text(), window, calibration))
