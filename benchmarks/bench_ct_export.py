@@ -54,7 +54,9 @@ def main() -> None:
         quantkit.calibrate(prepared, [calib], progress=False)
         qmodel = quantkit.convert(prepared)
         out = Path(tempfile.mkdtemp()) / scheme
-        result = quantkit.export_compressed_tensors(qmodel, path, out, inputs=[held])
+        # transformers is the consumer here: every scheme (vLLM's CPU build refuses w8a16 and static fp8), fp32 tensors
+        result = quantkit.export_compressed_tensors(qmodel, path, out, inputs=[held], engine="transformers",
+                                                    float_dtype="float32")
         seconds = time.perf_counter() - t0
         v = result.verification
         kw = {"quantization_config": transformers.CompressedTensorsConfig(dequantize=True)} \
