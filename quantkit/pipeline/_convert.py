@@ -24,7 +24,7 @@ from .._graph import (
 from .._qdq import PER_TOKEN, emit_dynamic
 from .._qmath import underlying_dtype
 from ._float_fallback import finish_recorded_float_layers
-from ._kv_capture import install_length_check, kv_cache_info
+from ._kv_capture import install_length_check
 from ._prepare import control_flow_subgraphs, copy_sharing_parameters, disallow_train_eval, is_prepared, set_submodule
 from ._qat import fold_simulated_bn, is_qat, refuse_training
 from .emit import ConvertContext, emitter_for
@@ -245,6 +245,5 @@ def convert_in_place(prepared: GraphModule, *, fold_quantize: bool = True, _nest
     converted.meta[QPARAMS_META_KEY] = records + conv.records
     if not _nested:  # layers a KeepFloat(..., float_weights="bf16") kept float: bf16 weights, no stray q/dq
         finish_recorded_float_layers(converted)
-    if kv_cache_info(converted) is not None:  # as prepare: the length check moves to the new module
-        install_length_check(converted)
+    install_length_check(converted)  # hooks do not travel to the new module (a no-op without a KV cache)
     return refuse_training(converted) if is_qat(converted) else disallow_train_eval(converted)

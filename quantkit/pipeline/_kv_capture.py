@@ -316,8 +316,9 @@ def _length_hook(module, args, kwargs):
 def install_length_check(gm: torch.nn.Module) -> torch.nn.Module:
     """Make calls of ``gm`` longer than its cache (or of another batch) a one-line
     :class:`KVCacheError` instead of torch.export's guard error. Shapes only: no device sync.
-    Hooks do not travel through prepare/convert (new modules); ``load`` installs it again."""
-    if not getattr(gm, "_quantkit_length_check", False):
+    A program without a KV-cache record (:func:`kv_cache_info`) is returned as it is: no hook.
+    Hooks do not travel through prepare/convert (new modules); they and ``load`` install it again."""
+    if kv_cache_info(gm) is not None and not getattr(gm, "_quantkit_length_check", False):
         gm.register_forward_pre_hook(_length_hook, with_kwargs=True)
         gm._quantkit_length_check = True
     return gm

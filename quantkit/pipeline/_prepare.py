@@ -13,7 +13,7 @@ from quantkit.observers._tokens import token_dim
 
 from .._graph import ANNOTATION_KEY, is_observer_module, is_observer_node, unique_attr_name
 from ._fold_bn import fold_conv_bn
-from ._kv_capture import install_length_check, kv_cache_info
+from ._kv_capture import install_length_check
 from ._sharing import EdgeOrNode, observers_for_annotations
 
 __all__ = [
@@ -331,6 +331,5 @@ def prepare_in_place(model: GraphModule, quantizer, *, qat=None) -> GraphModule:
     prepared = GraphModule(model, model.graph)
     prepared.meta.update(meta)
     prepared.meta["quantkit_prepared"] = True
-    if kv_cache_info(prepared) is not None:  # hooks do not travel to the new module: a too-long call stays one line
-        install_length_check(prepared)
+    install_length_check(prepared)  # hooks do not travel to the new module (a no-op without a KV cache)
     return disallow_train_eval(prepared) if qat is None else qat.finish(prepared)
