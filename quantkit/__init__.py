@@ -17,6 +17,7 @@ Causal LMs generate text from a program captured with a static KV cache::
 
     lm = quantkit.capture(llm, input_ids, max_cache_len=256)   # lm(input_ids, cache_position) -> logits
     out = quantkit.generate(lm, input_ids, max_new_tokens=32)  # prefill once, then one token per call
+    out, stats = quantkit.generate_with_stats(lm, input_ids, 32)  # and prefill/decode tokens/s
 
 ``quantkit.save(qmodel, dir)`` writes a deployable directory (model.pt2 + quantization.json,
 which records the scheme's config); ``quantkit.load(dir)`` returns the model as a module whose
@@ -43,7 +44,7 @@ from .pipeline._calibrate import calibrate
 from .pipeline._distributed import shard
 from .pipeline._capture import capture
 from .lowering._compile import compile
-from .generation import generate
+from .generation import generate, generate_with_stats
 from .pipeline._convert import convert
 from ._errors import CalibrationError, CaptureError, ConvertError, QuantkitError
 from .pipeline._prepare import prepare
@@ -66,6 +67,7 @@ __all__ = [
     "convert",
     "compile",
     "generate",
+    "generate_with_stats",
     "quantize",
     "quantize_pretrained",
     "save",

@@ -108,6 +108,9 @@ def _one_line(err: str) -> str:
     (["--seq-len", "40"], 2, "--seq-len 40 is longer than --max-cache-len 32"),
     (["--smoothquant", "0.5"], 2, "--max-cache-len cannot be combined with --smoothquant"),
     (["--task", "feature-extraction"], 1, "--max-cache-len needs a causal LM with an lm_head"),
+    # the block-by-block path quantizes full-sequence blocks: it would write no generating artifact
+    (["--sequential"], 2, "--max-cache-len is not available with layer-by-layer quantization"),
+    (["--max-memory", "64KiB"], 2, "--max-cache-len is not available with layer-by-layer quantization"),
 ])
 def test_errors_are_one_line(folders, capsys, extra, code, words):
     assert _quantize(folders, "bad", "--quiet", *extra) == code

@@ -61,6 +61,16 @@ def test_greedy_equals_transformers(llama, program, length):
     assert torch.equal(out, ref), f"quantkit {out.tolist()} vs transformers {ref.tolist()}"
 
 
+def test_generate_with_stats_is_public_and_counts_tokens(llama, program):
+    """quantkit.generate_with_stats (the top-level name) gives transformers' greedy tokens and counts them."""
+    assert "generate_with_stats" in quantkit.__all__
+    ids = _prompt(4)
+    out, stats = quantkit.generate_with_stats(program, ids, 6, compile=False)
+    assert torch.equal(out, _hf_greedy(llama, ids, 6))
+    assert (stats.batch_size, stats.prompt_tokens, stats.new_tokens, stats.decode_steps) == (BATCH, 4, 6, 5)
+    assert stats.prefill_s > 0 and stats.decode_s > 0 and stats.compile_s == 0.0
+
+
 def test_compiled_once_no_recompiles(llama, program, monkeypatch):
     """compile=True compiles once per program: the dynamic prefill graph and the length-1 decode
     graph, then no recompile per token, for another prompt length, or on a second call.

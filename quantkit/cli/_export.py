@@ -111,7 +111,12 @@ def lm_head_float(args, recipe, module_names: list[str]):
 
 
 def refuse_sequential(args) -> None:
-    """The layer-by-layer path (--max-memory, --sequential) writes pt2 only."""
+    """The layer-by-layer path (--max-memory, --sequential) writes pt2 only, and no generating artifact:
+    it quantizes full-sequence blocks, never the program with a static KV cache --max-cache-len asks for."""
+    if getattr(args, "max_cache_len", None) is not None:
+        raise inputs.UsageError("--max-cache-len is not available with layer-by-layer quantization (--sequential, "
+                                "--resume, or a --max-memory the model does not fit) yet; drop --sequential/--resume, "
+                                "raise --max-memory, or drop --max-cache-len")
     if CT in parse_formats(getattr(args, "format", None)):
         raise inputs.UsageError("--format compressed-tensors is not available with layer-by-layer quantization "
                                 "(--max-memory, --sequential) yet; use --format pt2 there")
