@@ -98,6 +98,43 @@ def test_int8_cache_is_stored_int8(folders, capsys):
     assert not [t for t in doc["tensors"] if t["kind"] == "activation" and t["dtype"] == "int8"]
 
 
+@pytest.mark.parametrize("scheme", [["--scheme", "w8a8"], ["--scheme", "w4a16", "--group-size", "16"]])
+def test_int8_cache_with_the_int8_and_int4_schemes(folders, capsys, scheme):
+    """--kv-cache int8 with --max-cache-len stores the cache in int8 whatever the scheme; the graph has
+    no int8 q/dq on K and V on top of the store, and the artifact generates what its program does."""
+    name = f"kv-{scheme[1]}"
+    assert _quantize(folders, name, *scheme, "--kv-cache", "int8") == 0
+    out, err = capsys.readouterr()
+    assert "KV cache of 32 positions (int8 per-tensor)" in out, (out, err)
+    program = quantkit.load(folders / name)
+    info = kv_cache_info(program)
+    assert (info["format"], info["granularity"]) == ("int8", "per-tensor")
+    buffers = dict(program.named_buffers())
+    stores = [buffers[n] for n in info["buffers"] if n.endswith(("_keys", "_values"))]
+    assert len(stores) == 4 and all(t.dtype == torch.int8 for t in stores)
+    doc = json.loads((folders / name / "quantization.json").read_text())
+    assert (doc["recipe"]["scheme"], doc["recipe"]["kv_cache"]) == (scheme[1], "int8")
+    acts = [t["node"] for t in doc["tensors"] if t["kind"] == "activation"]
+    assert bool(acts) == (scheme[1] == "w8a8")  # W8A8 records its linears' inputs, weight-only none
+    assert not [a for a in acts if "-> scaled_dot_product_attention" in a], acts  # K/V: the store only
+    ids = torch.tensor([[9, 2, 60, 7, 11, 3]])
+    assert quantkit.generate(program, ids, max_new_tokens=4, compile=False).shape == (1, 10)
+    # against the float HF model (independent of the capture): int8 weights and an int8 cache stay close
+    float_model = transformers.AutoModelForCausalLM.from_pretrained(folders / "llama").eval()
+    with torch.no_grad():
+        got, want = program(ids, torch.arange(6)).float(), float_model(ids).logits
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
+    assert cos > 0.99, f"cosine {cos:.5f} to the float model"
+
+
+def test_kv_cache_of_an_int8_scheme_needs_max_cache_len(folders, capsys):
+    code = main(["quantize", str(folders / "llama"), "--out", str(folders / "bad-kv"), "--calib",
+                 str(folders / "calib.txt"), "--scheme", "w4a16", "--kv-cache", "int8", "--quiet"])
+    assert code == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "--kv-cache with --scheme w4a16" in line and "--max-cache-len N" in line and "fp8-dynamic" in line
+
+
 def _one_line(err: str) -> str:
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and "Traceback" not in err, err

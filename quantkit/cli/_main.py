@@ -96,15 +96,19 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
                              "per-token")
     recipe.add_argument("--kv-cache", choices=["fp8_e4m3", "fp8_e5m2", "int8"],
                         help="FP8 schemes: calibrated per-tensor scales for every attention's keys and values "
-                             "(q/dq on K after rotary, and on V), recorded in quantization.json")
+                             "(q/dq on K after rotary, and on V), recorded in quantization.json; with "
+                             "--max-cache-len, any scheme: the cache is stored in that format")
     recipe.add_argument("--kv-granularity", choices=["per-tensor", "per-head"],
                         help="with --kv-cache: one K/V scale per tensor (default) or one per attention head")
     recipe.add_argument("--group-size", type=int, metavar="N",
                         help="weight-only schemes: input features per scale (default 128 for w4a16, 64 for nf4, "
                              "one per output channel for w8a16)")
-    recipe.add_argument("--algorithm", choices=["rtn", "gptq", "awq"],
+    recipe.add_argument("--double-quant", action="store_true", default=None,
+                        help="nf4: QLoRA's double quantization, the absmax scales stored as 8-bit floats in blocks "
+                             "of 256 (4.127 instead of 4.5 bits per weight at groups of 64)")
+    recipe.add_argument("--algorithm", choices=["rtn", "gptq", "awq", "awq+gptq"],
                         help="how weights are rounded (int and FP8 schemes): rtn (to nearest; default), gptq or awq "
-                             "(need calibration data)")
+                             "(need calibration data); awq+gptq: AWQ's scales then GPTQ's rounding (weight-only)")
     recipe.add_argument("--activation", choices=["affine-uint8", "symmetric-int8", "affine-uint7"],
                         help="activation integers (default affine-uint8 static, symmetric-int8 dynamic); "
                              "affine-uint7 lets oneDNN run exactly on CPUs without VNNI")

@@ -24,6 +24,7 @@ from . import _data as datasets, _inputs as inputs, _report as report, _torchrun
 from .._errors import QuantkitError
 from ._weight_only import WeightOnlyRecipe, check_weight_algorithm
 from ._fp8 import FP8Recipe
+from ._quantize_lm import recipe_args
 from ._registered import SchemeRecipe
 
 __all__ = ["Recipe", "run_quantize", "REPORT_JSON", "REPORT_MD", "TOKENIZER_DIR"]
@@ -120,7 +121,7 @@ class Recipe:
         preset = get_scheme(args.scheme) if args.scheme is not None else None
         if preset is not None and not _cli_recipe(preset):
             return Recipe(skip=tuple(args.skip or ()), registered=SchemeRecipe.from_args(args, preset))
-        fp8 = FP8Recipe.from_args(args, preset)
+        fp8 = FP8Recipe.from_args(recipe_args(args, preset), preset)  # others' --kv-cache: _quantize_lm's
         if fp8 is not None:
             return Recipe(skip=tuple(args.skip or ()), smoothquant=args.smoothquant,
                           accuracy_budget=args.accuracy_budget, metric=args.metric, fp8=fp8)

@@ -7,10 +7,12 @@ max_cache_len=N)``, batch 1), calibrated on each calibration sample as a full se
 tokenizer in DIR/tokenizer, so that ``quantkit generate DIR --prompt ...`` runs it as it is and
 ``quantkit eval DIR --data FILE.txt`` reports its perplexity.
 
-With ``--kv-cache FORMAT`` (FP8 schemes) the cache itself is stored in that format, with scales
-calibrated on the same samples (``pipeline._kv_cache.calibrate_kv_scales``, per tensor or
-``--kv-granularity per-head``); the graph then carries no extra q/dq on K and V (the store is
-the quantization).
+With ``--kv-cache FORMAT`` the cache itself is stored in that format (int8, fp8_e4m3 or fp8_e5m2,
+whatever the scheme: w8a8, w4a16, w8a16, nf4 or FP8), with scales calibrated on the same samples
+(``pipeline._kv_cache.calibrate_kv_scales``, per tensor or ``--kv-granularity per-head``); the graph
+then carries no extra q/dq on K and V (the store is the quantization). Without ``--max-cache-len``,
+``--kv-cache`` is the FP8 quantizer's q/dq on K and V, so the other schemes refuse it there
+(:func:`recipe_args`).
 
 The summary line gives the held-out perplexity of the program and of the float model on the
 held-out samples (each a fresh sequence), and their top-1 agreement.
@@ -18,6 +20,7 @@ held-out samples (each a fresh sequence), and their top-1 agreement.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import io
@@ -29,13 +32,14 @@ from torch.export.passes import move_to_device_pass
 import quantkit
 
 from .._errors import QuantkitError
+from ..quantizers._fp8 import FP8Config
 from ..export import _artifact
 from ..pipeline._kv_cache import calibrate_kv_scales
-from ..pipeline._kv_capture import lm_calibration_batches
+from ..pipeline._kv_capture import KV_CACHE_META_KEY, lm_calibration_batches
 from . import _export
 from . import _data as datasets, _inputs as inputs, _report as report
 
-__all__ = ["run_quantize_lm", "check_lm_args"]
+__all__ = ["run_quantize_lm", "check_lm_args", "recipe_args"]
 
 
 def check_lm_args(args, recipe, spec) -> int:
@@ -68,19 +72,53 @@ def check_lm_args(args, recipe, spec) -> int:
     return n
 
 
+def recipe_args(args, preset):
+    """The arguments the FP8 recipe parser sees: ``args`` itself, or, for a stored ``--kv-cache`` of a
+    scheme that is not FP8 (``preset`` not an ``FP8Config``; None is the default w8a8), a copy without
+    ``--kv-cache``/``--kv-granularity``, which :func:`run_quantize_lm` reads instead.
+
+    Raises:
+        UsageError: ``--kv-cache`` with such a scheme but without ``--max-cache-len`` (one line: the
+            full-sequence path has the FP8 quantizer's K/V q/dq only).
+    """
+    if getattr(args, "kv_cache", None) is None or isinstance(preset, FP8Config):
+        return args
+    scheme = getattr(args, "scheme", None) or "w8a8"
+    if getattr(args, "max_cache_len", None) is None:
+        raise inputs.UsageError(f"--kv-cache with --scheme {scheme} stores the KV cache of a generating artifact: add "
+                                "--max-cache-len N, or use --scheme fp8 or fp8-dynamic (K/V q/dq in the graph)")
+    return argparse.Namespace(**{**vars(args), "kv_cache": None, "kv_granularity": None})
+
+
 def _is_causal_lm(model) -> bool:
     head = getattr(model, "get_output_embeddings", None)
     config = getattr(model, "config", None)
     return callable(head) and head() is not None and not getattr(config, "is_encoder_decoder", False)
 
 
-def _kv_recipe(recipe) -> tuple[str | None, str, object]:
+def _kv_recipe(args, recipe) -> tuple[str | None, str, object]:
     """``(format, granularity, recipe)``: the stored cache --kv-cache asks for, and the recipe whose
     quantizer leaves K and V alone (the cache stores them quantized instead)."""
     fp8 = recipe.fp8
-    if fp8 is None or fp8.kv_cache is None:
+    if fp8 is None:  # the int8/int4 schemes' --kv-cache is the store's only (recipe_args kept it from the recipe)
+        return getattr(args, "kv_cache", None), getattr(args, "kv_granularity", None) or "per-tensor", recipe
+    if fp8.kv_cache is None:
         return None, "per-tensor", recipe
     return fp8.kv_cache, fp8.kv_granularity, dataclasses.replace(recipe, fp8=dataclasses.replace(fp8, kv_cache=None))
+
+
+def _drop_unread_cache_buffers(qmodel) -> None:
+    """The KV-cache record of ``qmodel`` lists the buffers it holds, in place.
+
+    A per-tensor cache's scales are read as constants (a Python scale in the graph), so prepare's
+    copy drops their buffers; the capture's record still names them, and ``load`` would then refuse
+    the artifact as damaged. (The record is the capture's, ``pipeline._kv_capture``; it could list
+    only the buffers its graph reads.)
+    """
+    info = qmodel.meta.get(KV_CACHE_META_KEY)
+    if isinstance(info, dict):
+        held = {n for n, _ in qmodel.named_buffers()}
+        qmodel.meta[KV_CACHE_META_KEY] = {**info, "buffers": [n for n in info.get("buffers", []) if n in held]}
 
 
 @torch.no_grad()
@@ -127,7 +165,7 @@ def run_quantize_lm(args, recipe, spec, data, out, loaded, calib, heldout, modul
     progress = not args.quiet
     batches = lm_calibration_batches(calib, batch_size=1, max_cache_len=n)
     held = lm_calibration_batches(heldout, batch_size=1, max_cache_len=n) if heldout else []
-    kv_cache, granularity, graph_recipe = _kv_recipe(recipe)
+    kv_cache, granularity, graph_recipe = _kv_recipe(args, recipe)
     scales = None
     if kv_cache is not None:
         scales = calibrate_kv_scales(model, [ids for ids, _ in batches], kv_cache=kv_cache, granularity=granularity)
@@ -137,6 +175,7 @@ def run_quantize_lm(args, recipe, spec, data, out, loaded, calib, heldout, modul
     prepared = quantkit.prepare(gm, graph_recipe.quantizer(module_names))
     quantkit.calibrate(prepared, batches, progress=progress)
     qmodel = quantkit.convert(prepared)
+    _drop_unread_cache_buffers(qmodel)
     recipe.finish(qmodel, module_names)  # the fallback's float layers: bf16 weights
     if not qmodel.meta.get("quantkit_qparams"):
         raise QuantkitError(f"nothing is quantized: the model has no {'/'.join(recipe.config().ops)} op outside "
@@ -152,6 +191,8 @@ def run_quantize_lm(args, recipe, spec, data, out, loaded, calib, heldout, modul
               "allow_missing_weights": bool(args.allow_missing_weights)}
     doc = _artifact.recipe_document(qmodel, recipe=recipe.to_json(), source=source, config=recipe.scheme_config())
     doc["heldout_metric"] = metric
+    if kv_cache is not None and recipe.fp8 is None:  # as the FP8 recipes record theirs
+        doc["recipe"] = {**doc["recipe"], "kv_cache": kv_cache, "kv_granularity": granularity}
     with _artifact.atomic_dir(out, overwrite=args.force, flag="--force") as tmp:
         _artifact.write_program(program, tmp)
         _artifact.write_json(tmp / _artifact.RECIPE_FILE, report.json_safe(doc))
