@@ -28,13 +28,24 @@ class HessianObserver(QuantkitObserver):
 
     Across processes (:func:`quantkit.observers.sync`) the sums and row counts are summed:
     every rank gets the same ``XᵀX``, equal to merging the ranks' observers in rank order.
+
+    Args:
+        product_dtype: dtype of each batch's one ``xᵀx`` matmul, added to the float64 sum.
+            float64 (default) makes the sum exact to float64 rounding (the reference tests);
+            GPTQ's passes use float32: about 2x faster on AVX-512 CPUs, relative error of an
+            entry ~1e-6, far below what changes a rounding decision (llm-compressor keeps the
+            whole Hessian in float32).
     """
 
     sync_ops = {"xtx": "sum", "rows": "sum"}
 
-    def __init__(self, dtype=torch.quint8, qscheme=torch.per_tensor_affine, **kwargs) -> None:
+    def __init__(self, dtype=torch.quint8, qscheme=torch.per_tensor_affine, *,
+                 product_dtype: torch.dtype = torch.float64, **kwargs) -> None:
         kwargs.pop("ch_axis", None)
         super().__init__(dtype=dtype, qscheme=qscheme, **kwargs)
+        if product_dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"product_dtype must be torch.float32 or torch.float64, got {product_dtype!r}")
+        self.product_dtype = product_dtype
         self.register_buffer("xtx", torch.zeros(0, 0, dtype=torch.float64))
         self.register_buffer("rows", torch.zeros((), dtype=torch.int64))
 
@@ -46,7 +57,7 @@ class HessianObserver(QuantkitObserver):
         from ._tokens import real_tokens
 
         x = real_tokens(x)  # no-op unless a padding mask is active
-        flat = x.reshape(-1, x.shape[-1]).to(torch.float64)
+        flat = x.reshape(-1, x.shape[-1]).to(self.product_dtype)
         if flat.shape[0] == 0:
             return
         if not bool(torch.isfinite(flat).all()):
@@ -61,7 +72,10 @@ class HessianObserver(QuantkitObserver):
                 f"observer at node '{self.node_name}' saw {flat.shape[1]} features after {self.xtx.shape[0]}; "
                 "a Hessian observer watches one linear layer's input"
             )
-        self.xtx.addmm_(flat.T, flat)
+        if flat.dtype == torch.float64:
+            self.xtx.addmm_(flat.T, flat)
+        else:  # one float32 matmul per batch, summed in float64 (no float32 drift across batches)
+            self.xtx.add_(flat.T @ flat)
         self.rows += flat.shape[0]
 
     @property

@@ -9,6 +9,11 @@ group-wise qparams chosen when a group's first column is reached, from the group
 current (already error-compensated) weights. With ``act_order`` the groups are still the
 consecutive columns of the stored weight (so the usual group-wise storage holds it): a
 group's qparams are chosen when the first of its columns comes up in the permuted order.
+
+With ``clip_search`` each group's range is the shrink of its min/max (1, 0.975, …, 0.5 of it)
+whose rounded group has the least *output* error on the calibration rows,
+``(w - q) H_gg (w - q)ᵀ`` with ``H_gg`` the group's block of ``XᵀX`` (the group's share of
+``‖X Wᵀ - X Qᵀ‖²``, the later columns' compensation aside), instead of the full min/max.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 
 from ._wscheme import WeightScheme
 
-__all__ = ["GPTQConfig", "GPTQResult", "gptq_quantize"]
+__all__ = ["GPTQConfig", "GPTQResult", "gptq_quantize", "clip_search_qparams"]
 
 
 @dataclass(frozen=True)
@@ -32,11 +37,14 @@ class GPTQConfig:
             (0.01 in the paper and reference code).
         act_order: quantize columns in decreasing order of the Hessian diagonal (the
             reference's ``--act-order``; better accuracy at no storage cost here).
+        clip_search: choose each group's clipping range by the group's output error (see
+            the module docstring); group-wise integer schemes only (others ignore it).
     """
 
     block_size: int = 128
     percdamp: float = 0.01
     act_order: bool = True
+    clip_search: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
@@ -45,6 +53,8 @@ class GPTQConfig:
             raise ValueError(f"percdamp must be in (0, 1], got {self.percdamp!r}")
         if not isinstance(self.act_order, bool):
             raise ValueError(f"act_order must be True or False, got {self.act_order!r}")
+        if not isinstance(self.clip_search, bool):
+            raise ValueError(f"clip_search must be True or False, got {self.clip_search!r}")
 
 
 @dataclass
@@ -137,10 +147,11 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: WeightSch
     hinv = _inverse_hessian_cholesky(h, float(config.percdamp))
     invperm = torch.argsort(perm)
     group_of = (perm // gs).tolist()  # group of each permuted column
+    clip_h = h if config.clip_search and scheme.group_size is not None and not scheme.float8 else None
 
     # (no torch.set_num_threads around this loop: changing the intra-op pool mid-process broke
     # later oneDNN/ATen parallel regions, "vector::reserve", measured in the test suite)
-    q = _column_loop(w, hinv, scale, zp, have, group_of, invperm, scheme, gs, config.block_size)
+    q = _column_loop(w, hinv, scale, zp, have, group_of, invperm, scheme, gs, config.block_size, clip_h)
     q = q[:, invperm].to(torch.int64)
     deq = scheme.dequantize(q, scale, zp)
     return GPTQResult(q=q, scale=scale, zero_point=zp, dequantized=deq)
@@ -154,9 +165,34 @@ _SUB_BLOCK = 16  # columns whose rank-1 updates stay inside an [n, 16] slice (ca
                  # 384x384 .. 4096x4096 on this CPU: 16 and 32 within noise, 128 (no sub-blocks) slower
 
 
-def _column_loop(w, hinv, scale, zp, have, group_of, invperm, scheme: WeightScheme, gs: int, bs: int) -> torch.Tensor:
+# clip_search's shrink factors of a group's range: 1, 0.975, ..., 0.5 (AWQ's auto_clip goes down to 0.5
+# in 5% steps; half steps cost little here: a group's search is [21, n, gs] x [gs, gs])
+_CLIP_FACTORS = tuple(1 - i / 40 for i in range(21))
+
+
+def clip_search_qparams(cur: torch.Tensor, h_gg: torch.Tensor, scheme: WeightScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``cur`` (``[n, gs]``, one group's weights): the qparams of the shrunk range
+    (``_CLIP_FACTORS`` of its min/max) with the least ``(w - q) h_gg (w - q)ᵀ``."""
+    best_err, best_s, best_z = None, None, None
+    for f in _CLIP_FACTORS:
+        s, z = scheme.row_qparams((cur * f).float())
+        _, dq = scheme.round(cur, s[:, None], z[:, None])
+        d = cur - dq
+        err = ((d @ h_gg) * d).sum(1)
+        if best_err is None:
+            best_err, best_s, best_z = err, s, z
+        else:
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_s, best_z = torch.where(better, s, best_s), torch.where(better, z, best_z)
+    return best_s, best_z
+
+
+def _column_loop(w, hinv, scale, zp, have, group_of, invperm, scheme: WeightScheme, gs: int, bs: int,
+                 clip_h=None) -> torch.Tensor:
     """Algorithm 1's loop over the permuted ``w`` (``[n, k]``, not modified); fills ``scale``, ``zp``
-    and ``have``; returns the integers (``[n, k]``, permuted order, ``w``'s float dtype).
+    and ``have``; returns the integers (``[n, k]``, permuted order, ``w``'s float dtype). With
+    ``clip_h`` (the permuted Hessian) each group's qparams come from :func:`clip_search_qparams`.
 
     Works on the transposed weight, so that each column is a contiguous row. Two levels of
     lazy updates: errors reach the rest of the weight once per block of ``bs`` columns (the
@@ -183,7 +219,10 @@ def _column_loop(w, hinv, scale, zp, have, group_of, invperm, scheme: WeightSche
                     # the group's current weights: pending in-block errors applied to its columns
                     cols = invperm[g * gs:(g + 1) * gs]
                     cur = wt[cols] - hinv[i1:i1 + j][:, cols].t() @ err[:j]
-                    scale[:, g], zp[:, g] = scheme.row_qparams(cur.t().float())
+                    if clip_h is None:
+                        scale[:, g], zp[:, g] = scheme.row_qparams(cur.t().float())
+                    else:
+                        scale[:, g], zp[:, g] = clip_search_qparams(cur.t(), clip_h[cols][:, cols], scheme)
                     have[g] = True
                 if g != cached:
                     s, z, cached = scale[:, g].to(w.dtype), zp[:, g].to(w.dtype), g

@@ -5,11 +5,18 @@ Acceleration"): scale the input channels of linears sharing an input by ``s = me
 For each group of linears that read the same activation, α is searched over
 0, 1/20, …, 19/20 (the paper's grid) to minimise the group's output error on calibration
 rows with the weights rounded to nearest in their own scheme; ``s`` is normalised by
-``sqrt(max s · min s)`` as in the reference code. ``1/s`` is folded into the preceding
-LayerNorm/RMSNorm or linear where that op feeds only these linears (SmoothQuant's folding
-helpers), otherwise an explicit ``mul`` is inserted. Optionally, each group of each weight
-is then clipped to the fraction of its max |w| (1, 0.95, …, 0.55) with the least output error
-(the reference's ``auto_clip``).
+``sqrt(max s · min s)`` as in the reference code. The rows are a uniform sample of every
+calibration batch's rows (``_sample``: bottom-k keys, seeded), and every grid point is scored
+in one batched computation (chunked to bound memory): the output error
+``‖X Wᵀ - X Q(s)ᵀ‖²`` as ``tr(D XᵀX Dᵀ)`` with ``D = W - Q(s)``, when the sample has more rows
+than the layer has inputs. ``1/s`` is folded into the preceding LayerNorm/RMSNorm or linear
+where that op feeds only these linears (SmoothQuant's folding helpers), otherwise an explicit
+``mul`` is inserted. Optionally, each group of each weight is then clipped to the fraction of
+its max |w| (1, 0.95, …, 0.55) with the least output error (the reference's ``auto_clip``),
+all fractions scored at once through the groups' blocks of ``XᵀX``.
+
+``algorithm="awq+gptq"`` runs the scale search and the folding here and leaves the rounding
+(and so the clipping) to GPTQ, after calibrate's pass, on the scaled weights.
 """
 
 from __future__ import annotations
@@ -28,9 +35,13 @@ from ...pipeline._hooks import CalibrationRun, register_calibration_hook
 from .._folding import FoldGroup, attr_use_counts, fold_target, insert_mul
 from .._wscheme import WeightScheme
 from ._base import RoundedLinear, Tapped, record_rounding, rounding_plan
+from ._sample import RowSample
 from ._sync import distributed_rounding, sync_row_stats, synced_pass
 
-__all__ = ["AWQConfig", "awq_scales", "awq_clip", "run_awq", "awq_hook"]
+__all__ = ["AWQConfig", "AWQ_ALGORITHMS", "awq_scales", "awq_clip", "run_awq", "awq_hook"]
+
+# the weight algorithms whose linears get AWQ's scales; the second is then rounded by GPTQ
+AWQ_ALGORITHMS = ("awq", "awq+gptq")
 
 
 @dataclass(frozen=True)
@@ -42,8 +53,10 @@ class AWQConfig:
         clip: search a per-group clipping range after scaling (the reference's ``auto_clip``).
         clip_grid: shrink steps of 5% (the reference: 20 steps, up to ``max_shrink`` 0.5).
         max_shrink: the most the clipping range shrinks (0.5 in the reference).
-        rows: activation rows kept per group of linears for the scale search (uniform sample).
+        rows: activation rows kept per group of linears for the scale search (a uniform
+            sample of every batch's rows).
         clip_rows: of those, rows used by the clipping search (512 tokens in the reference).
+        seed: seed of the row sample.
     """
 
     n_grid: int = 20
@@ -52,6 +65,7 @@ class AWQConfig:
     max_shrink: float = 0.5
     rows: int = 2048
     clip_rows: int = 512
+    seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("n_grid", "clip_grid", "rows", "clip_rows"):
@@ -60,20 +74,20 @@ class AWQConfig:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if not 0.0 <= self.max_shrink < 1.0:
             raise ValueError(f"max_shrink must be in [0, 1), got {self.max_shrink!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
 
 
 class _RowStats(torch.nn.Module):
     """Mean |x| per channel (last dim) of everything seen, and a uniform sample of rows."""
 
-    def __init__(self, keep: int) -> None:
+    def __init__(self, keep: int, seed: int = 0) -> None:
         super().__init__()
         self.keep = keep
         self.abs_sum = None
         self.sums: list[torch.Tensor] = []  # per batch: distributed AWQ sums them again in one order
         self.count = 0
-        self.rows: list[torch.Tensor] = []
-        self.kept = 0
-        self.gen = torch.Generator().manual_seed(0)
+        self.sample = RowSample(keep, seed)
 
     def forward(self, x):
         flat = real_tokens(x.detach())
@@ -83,45 +97,58 @@ class _RowStats(torch.nn.Module):
             self.abs_sum = s if self.abs_sum is None else self.abs_sum + s
             self.sums.append(s)
             self.count += flat.shape[0]
-            take = min(self.keep - self.kept, flat.shape[0])
-            if take > 0:
-                idx = torch.randperm(flat.shape[0], generator=self.gen)[:take]
-                self.rows.append(flat[idx].cpu())
-                self.kept += take
+            self.sample.add(flat)
         return x
 
 
-def _group_error(x: torch.Tensor, weights: list[torch.Tensor], schemes: list[WeightScheme],
-                 s: torch.Tensor | None, refs: list[torch.Tensor]) -> float:
-    err = 0.0
-    for w, scheme, ref in zip(weights, schemes, refs):
-        wq = scheme.rtn(w if s is None else w * s)
-        out = (x if s is None else x / s) @ wq.T
-        err += float((ref - out).double().pow(2).sum())
-    return err
+# bytes of one chunk's largest temporary in the batched searches (grid points scored together)
+_CHUNK_BYTES = 128 << 20
+
+
+def _candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, n_grid: int) -> tuple[torch.Tensor, list]:
+    """``[1 + 2 n_grid, K]`` scales: none (ones), the paper's ``x^α`` (the reference clamps at
+    1e-4), then AutoAWQ's ``duo_scaling`` ``x^α / w^(1-α)``; each normalised by
+    ``sqrt(max s · min s)``. Also the α of each row (None for the first)."""
+    alpha = (torch.arange(n_grid, dtype=torch.float32) / n_grid)[:, None]
+    paper = x_mean.clamp(min=1e-4)[None].pow(alpha)
+    duo = (x_mean[None].pow(alpha) / (w_mean[None].pow(1 - alpha) + 1e-4)).clamp(min=1e-4)
+    s = torch.cat([paper, duo])
+    s = s / (s.amax(1, keepdim=True) * s.amin(1, keepdim=True)).sqrt()
+    alphas = [None] + [i / n_grid for i in range(n_grid)] * 2
+    return torch.cat([torch.ones(1, s.shape[1]), s]), alphas
+
+
+def scale_errors(x: torch.Tensor, weights: list[torch.Tensor], schemes: list[WeightScheme],
+                 scales: torch.Tensor) -> torch.Tensor:
+    """The output error ``Σ_w ‖x wᵀ - (x / s) RTN(w · s)ᵀ‖²`` (float64, ``[P]``) of each row
+    ``s`` of ``scales`` (``[P, K]``) on the rows ``x`` (``[T, K]``), grid points batched."""
+    t, k = x.shape
+    gram = x.T @ x if k < t else None  # tr(D XᵀX Dᵀ) costs N·K² against T·N·K directly
+    errs = torch.zeros(scales.shape[0], dtype=torch.float64)
+    for w, scheme in zip(weights, schemes):
+        n = w.shape[0]
+        step = max(1, _CHUNK_BYTES // (4 * n * max(k, t if gram is None else 0)))
+        for p0 in range(0, scales.shape[0], step):
+            s = scales[p0:p0 + step, None, :]                                  # [c, 1, K]
+            q = scheme.rtn((w[None] * s).reshape(-1, k)).reshape(-1, n, k)
+            d = w[None] - q / s  # the weight the scaled model computes with, in x's units
+            if gram is not None:
+                errs[p0:p0 + step] += ((d @ gram) * d).sum((1, 2), dtype=torch.float64)
+            else:
+                errs[p0:p0 + step] += (x @ d.transpose(1, 2)).pow(2).sum((1, 2), dtype=torch.float64)
+    return errs
 
 
 def awq_scales(x: torch.Tensor, x_mean_abs: torch.Tensor, weights: list[torch.Tensor],
                schemes: list[WeightScheme], n_grid: int = 20) -> tuple[torch.Tensor | None, float | None]:
     """The per-input-channel scales ``s`` (and the α) with the least output error of the
     linears ``weights`` on the rows ``x``; ``(None, None)`` when no α beats no scaling.
-    Both the paper's ``mean|x|^α`` and AutoAWQ's ``duo_scaling`` (its default) are searched."""
-    refs = [x @ w.T for w in weights]  # the float outputs
-    best_s, best_alpha, best = None, None, _group_error(x, weights, schemes, None, refs)
-    x_mean = x_mean_abs.float()
-    w_mean = _weight_mean(weights, schemes)
-    for duo in (False, True):
-        for i in range(n_grid):
-            alpha = i / n_grid
-            if duo:  # AutoAWQ's duo_scaling: x^α / w^(1-α), w normalised by its group's max
-                s = (x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)).clamp(min=1e-4)
-            else:    # the paper's s = x^α (the reference clamps at 1e-4)
-                s = x_mean.clamp(min=1e-4).pow(alpha)
-            s = s / (s.max() * s.min()).sqrt()
-            err = _group_error(x, weights, schemes, s, refs)
-            if err < best:
-                best_s, best_alpha, best = s, alpha, err
-    return best_s, best_alpha
+    Both the paper's ``mean|x|^α`` and AutoAWQ's ``duo_scaling`` (its default) are searched,
+    every grid point in one batched computation (:func:`scale_errors`)."""
+    scales, alphas = _candidate_scales(x_mean_abs.float(), _weight_mean(weights, schemes), n_grid)
+    errs = scale_errors(x, weights, schemes, scales)
+    best = int(torch.argmin(errs))  # the first of equal errors, as a loop keeping strict improvements
+    return (None, None) if best == 0 else (scales[best], alphas[best])
 
 
 def _weight_mean(weights: list[torch.Tensor], schemes: list[WeightScheme]) -> torch.Tensor:
@@ -137,23 +164,33 @@ def _weight_mean(weights: list[torch.Tensor], schemes: list[WeightScheme]) -> to
 def awq_clip(x: torch.Tensor, w: torch.Tensor, scheme: WeightScheme, grid: int = 20,
              max_shrink: float = 0.5) -> torch.Tensor:
     """``w`` with each group (of each row) clipped to the fraction of its max |w| whose rounded
-    group output ``x_g · w_gᵀ`` is closest to the unclipped float one (least squares over ``x``)."""
+    group output ``x_g · w_gᵀ`` is closest to the unclipped float one (least squares over ``x``).
+
+    Every fraction is scored at once: the error of a group is ``d H_g dᵀ`` with ``d`` the
+    rounding error of the clipped group and ``H_g = x_gᵀ x_g`` (float64)."""
     n, k = w.shape
     gs = scheme.group(k)
-    xg = x.reshape(x.shape[0], k // gs, gs)                       # [T, G, gs]
-    wg = w.reshape(n, k // gs, gs)                                # [N, G, gs]
-    ref = torch.einsum("tgc,ngc->ngt", xg, wg)
+    g = k // gs
+    xg = x.reshape(x.shape[0], g, gs).double()
+    hg = torch.einsum("tgc,tgd->gcd", xg, xg)                       # [G, gs, gs]
+    wg = w.reshape(n, g, gs)
     amax = wg.abs().amax(-1, keepdim=True)
-    best_err = torch.full((n, k // gs), float("inf"), dtype=torch.float64)
+    steps = max(1, int(max_shrink * grid))
+    best_err = torch.full((n, g), float("inf"), dtype=torch.float64)
     best = wg.clone()
-    for i in range(int(max_shrink * grid)):
-        m = amax * (1 - i / grid)
-        cand = torch.maximum(torch.minimum(wg, m), -m)
-        q = scheme.rtn(cand.reshape(n, k)).reshape(n, k // gs, gs)
-        err = (torch.einsum("tgc,ngc->ngt", xg, q) - ref).double().pow(2).sum(-1)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best = torch.where(better[..., None], cand, best)
+    chunk = max(1, _CHUNK_BYTES // (8 * n * k))
+    for i0 in range(0, steps, chunk):
+        frac = 1 - torch.arange(i0, min(i0 + chunk, steps), dtype=torch.float32) / grid
+        m = amax[None] * frac[:, None, None, None]                      # [S, N, G, 1]
+        cand = torch.maximum(torch.minimum(wg[None], m), -m)            # [S, N, G, gs]
+        q = scheme.rtn(cand.reshape(-1, k)).reshape(cand.shape)
+        d = (q - wg[None]).double()
+        err = (torch.einsum("sngc,gcd->sngd", d, hg) * d).sum(-1)      # [S, N, G]
+        low, at = err.min(0)  # the first of equal errors: the wider range
+        better = low < best_err
+        best_err = torch.where(better, low, best_err)
+        pick = cand.gather(0, at[None, ..., None].expand(1, n, g, gs))[0]
+        best = torch.where(better[..., None], pick, best)
     return best.reshape(n, k)
 
 
@@ -173,7 +210,7 @@ def run_awq(prepared: GraphModule, linears: list[RoundedLinear], data: Iterable,
     tapped = Tapped(prepared)
     stats = {}
     for src in groups:
-        stats[src] = _RowStats(config.rows)
+        stats[src] = _RowStats(config.rows, config.seed)
         tapped.tap(src, stats[src])
     seen = synced_pass(lambda: tapped.run(data, max_batches=max_batches, desc="awq"),  # every rank's, when distributed
                        lambda: sync_row_stats(stats.values()))
@@ -186,7 +223,7 @@ def run_awq(prepared: GraphModule, linears: list[RoundedLinear], data: Iterable,
         st = stats[src]
         if st.abs_sum is None:
             continue  # never reached by calibration: rounded to nearest
-        x = torch.cat(st.rows)
+        x = st.sample.rows
         weights = [get_attr(prepared, lin.weight).detach().float() for lin in lins]
         schemes = [WeightScheme.of(lin.observer) for lin in lins]
         s, alpha = awq_scales(x, st.abs_sum / st.count, weights, schemes, config.n_grid)
@@ -210,15 +247,15 @@ def run_awq(prepared: GraphModule, linears: list[RoundedLinear], data: Iterable,
             weights = [w * s for w in weights]
             x = x / s
         for lin, w, scheme in zip(lins, weights, schemes):
-            if config.clip:
-                rows = x[::max(1, x.shape[0] // config.clip_rows)][:config.clip_rows]
-                w = awq_clip(rows, w, scheme, config.clip_grid, config.max_shrink)
+            if config.clip and lin.algorithm == "awq":  # awq+gptq: GPTQ chooses the ranges
+                # the sample is in key order (random): its first rows are a uniform sample too
+                w = awq_clip(x[:config.clip_rows], w, scheme, config.clip_grid, config.max_shrink)
             set_attr(prepared, lin.weight, w.to(get_attr(prepared, lin.weight).dtype))
             # the observer's own (round-to-nearest) qparams of the new weight, fixed
             obs, new = lin.observer, get_attr(prepared, lin.weight)
             obs.observe_weight(new) if hasattr(obs, "observe_weight") else obs(new)
             obs.set_qparams(*obs.calculate_qparams())
-            records.append({"layer": lin.node.name, "algorithm": "awq", "alpha": alpha,
+            records.append({"layer": lin.node.name, "algorithm": lin.algorithm, "alpha": alpha,
                             "folded_into": kind if kind in (None, "mul") else f"{kind}:{src.name}"})
     prepared.recompile()
     return records
@@ -227,8 +264,9 @@ def run_awq(prepared: GraphModule, linears: list[RoundedLinear], data: Iterable,
 @register_calibration_hook("awq", when="before_pass")
 def awq_hook(cal: CalibrationRun) -> Callable[[], None] | None:
     """Before calibrate's pass (so that activation observers see the scaled activations), when
-    weight observers ask for AWQ: scale and clip their linears from one pass over the data."""
-    awq = [lin for lin in rounding_plan(cal) if lin.algorithm == "awq"]
+    weight observers ask for AWQ (or AWQ+GPTQ): scale (and for AWQ clip) their linears from one
+    pass over the data."""
+    awq = [lin for lin in rounding_plan(cal) if lin.algorithm in AWQ_ALGORITHMS]
     if not awq:
         return None
 

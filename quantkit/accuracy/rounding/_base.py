@@ -20,12 +20,14 @@ from ..._graph import is_observer_node, module_scopes
 from ...pipeline._calibrate import run_batches
 from ...pipeline._hooks import CalibrationRun
 
-__all__ = ["ROUNDING_META_KEY", "RoundedLinear", "find_rounded_linears", "pending_algorithms", "rounding_plan",
+__all__ = ["ROUNDING_META_KEY", "ROUNDING_ALGORITHMS", "RoundedLinear", "find_rounded_linears", "pending_algorithms", "rounding_plan",
            "record_rounding", "without_observers", "Tapped", "fix_qparams"]
 
 aten = torch.ops.aten
 # gm.meta entry: one record per rounded linear ({"layer", "module", "algorithm", ...})
 ROUNDING_META_KEY = "quantkit_weight_rounding"
+# the algorithms the rounding hooks run (awq+gptq: AWQ's scales, then GPTQ's rounding)
+ROUNDING_ALGORITHMS = ("gptq", "awq", "awq+gptq")
 
 
 @dataclass
@@ -191,9 +193,9 @@ def rounding_plan(cal: CalibrationRun) -> list[RoundedLinear]:
     linears = find_rounded_linears(prepared)
     if linears:
         algos = sorted({lin.algorithm for lin in linears})
-        unknown = [a for a in algos if a not in ("gptq", "awq")]
+        unknown = [a for a in algos if a not in ROUNDING_ALGORITHMS]
         if unknown:
-            raise CalibrationError(f"unknown weight algorithm {unknown[0]!r}; use 'rtn', 'gptq' or 'awq'")
+            raise CalibrationError(f"unknown weight algorithm {unknown[0]!r}; use 'rtn', 'gptq', 'awq' or 'awq+gptq'")
         if isinstance(data, Iterator):
             raise CalibrationError(
                 f"{'/'.join(a.upper() for a in algos)} passes over the calibration data several times, "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
+import torch
 from torch.fx import GraphModule, Node
 
 from quantkit.observers import HessianObserver
@@ -24,7 +25,10 @@ from ._base import RoundedLinear, Tapped, find_rounded_linears, record_rounding,
 from ._gptq_blocks import round_linears, run_gptq_blocks
 from ._sync import distributed_rounding
 
-__all__ = ["run_gptq", "run_gptq_prefix", "gptq_hook"]
+__all__ = ["GPTQ_ALGORITHMS", "run_gptq", "run_gptq_prefix", "gptq_hook"]
+
+# the weight algorithms GPTQ rounds: awq+gptq's weights arrive here scaled by AWQ's hook
+GPTQ_ALGORITHMS = ("gptq", "awq+gptq")
 
 
 def _last(nodes: list[Node], order: dict[Node, int]) -> Node:
@@ -56,7 +60,7 @@ def run_gptq_prefix(prepared: GraphModule, linears: list[RoundedLinear], data: I
         last = _last(sources, order)
         hessians = {}
         for src in sources:
-            hessians[src] = HessianObserver()
+            hessians[src] = HessianObserver(product_dtype=torch.float32)  # see HessianObserver
             hessians[src].node_name = src.name
         for src in sorted(sources, key=order.__getitem__):
             tapped.tap(src, hessians[src], stop=src is last)
@@ -68,15 +72,16 @@ def run_gptq_prefix(prepared: GraphModule, linears: list[RoundedLinear], data: I
 
 @register_calibration_hook("gptq", when="after_pass")
 def gptq_hook(cal: CalibrationRun) -> Callable[[], None] | None:
-    """After calibrate's pass, when weight observers ask for GPTQ: round their linears (found
-    again: AWQ may have put a ``mul`` before them), unless the pass saw no batch."""
-    if not any(lin.algorithm == "gptq" for lin in rounding_plan(cal)):
+    """After calibrate's pass, when weight observers ask for GPTQ (or AWQ+GPTQ, whose weights AWQ
+    scaled before the pass): round their linears (found again: AWQ may have put a ``mul`` before
+    them), unless the pass saw no batch."""
+    if not any(lin.algorithm in GPTQ_ALGORITHMS for lin in rounding_plan(cal)):
         return None
 
     def step() -> None:
         records: list[dict] = []
         with distributed_rounding(cal.distributed):
-            gptq = [lin for lin in find_rounded_linears(cal.prepared) if lin.algorithm == "gptq"]
+            gptq = [lin for lin in find_rounded_linears(cal.prepared) if lin.algorithm in GPTQ_ALGORITHMS]
             if cal.seen and gptq:
                 records = run_gptq(cal.prepared, gptq, cal.data, max_batches=cal.max_batches)
         record_rounding(cal, records)

@@ -104,7 +104,7 @@ class RoundedBlock:
         added, hessians = [], {}
         where = {src: self.node_of[src] for src in sources}
         for k, src in enumerate(sorted(sources, key=lambda s: order[where[s]])):
-            h = hessians[src] = HessianObserver()
+            h = hessians[src] = HessianObserver(product_dtype=torch.float32)  # see HessianObserver
             h.node_name = src.name
             name = f"_qk_hessian_{k}"
             self.gm.add_submodule(name, h)

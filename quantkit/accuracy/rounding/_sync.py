@@ -9,12 +9,14 @@ order, as :func:`quantkit.shard` splits a list, are the original batch order):
   process, hence the same factors ``s`` for a fixed α.
 - AWQ's mean |x| per channel: the per-batch sums are concatenated in rank order and summed
   again batch after batch, as one process adds them: ``torch.equal``.
-- The rows sampled for AWQ's and SmoothQuant ``alpha="auto"``'s searches: the ranks' samples
-  in rank order, cut to the sample size (AWQ 2048 rows, SmoothQuant 1024). One process draws
-  its sample from the first batches, so this equals its sample whenever rank 0's shard fills
-  it (AWQ: 2048 rows; SmoothQuant: at most a quarter of the sample per batch, so at least 4
-  batches); otherwise it is a sample of the same size from the first shards. With equal
-  statistics and rows, the scales, clipping and folded weights are ``torch.equal``.
+- The rows sampled for AWQ's searches: each rank keeps the rows of its shard with the
+  smallest keys (``_sample``: a batch's keys are seeded by its values, not its position), and
+  the bottom 2048 keys of the ranks' union are one process's sample, ``torch.equal``. With
+  equal statistics and rows, the scales, clipping and folded weights are ``torch.equal``.
+- SmoothQuant ``alpha="auto"``'s rows: the ranks' samples in rank order, cut to 1024 rows. One
+  process draws its sample from the first batches (at most a quarter of it per batch), so this
+  equals its sample whenever rank 0's shard fills it (at least 4 batches); otherwise it is a
+  sample of the same size from the first shards.
 - GPTQ's Hessians ``XᵀX`` (float64) and row counts: SUMmed after each block's pass, before
   any weight is rounded, so every rank holds the same Hessian and rounds to the same
   integers. The sum equals one process that merges the ranks' Hessian observers in rank
@@ -38,6 +40,7 @@ import torch
 from quantkit.observers._sync import EXCHANGED, abandon, sync_observers
 
 from ...pipeline._distributed import on_all_ranks
+from ._sample import RowSample
 
 __all__ = ["distributed_rounding", "synced_pass", "sync_hessians", "sync_channel_stats", "sync_row_stats"]
 
@@ -122,15 +125,18 @@ def sync_channel_stats(stats: list) -> None:
 
 
 def sync_row_stats(stats: Iterable) -> None:
-    """AWQ's per-group ``_RowStats`` (per-batch |x| sums, row count, sampled rows) across ranks;
-    the total |x| is summed again batch after batch in rank order, as one process does."""
+    """AWQ's per-group ``_RowStats`` (per-batch |x| sums, row count, sampled rows and their keys)
+    across ranks; the total |x| is summed again batch after batch in rank order, as one process
+    does, and the row sample is the bottom ``keep`` keys of every rank's (``_sample``)."""
     stats = list(stats)
     carriers = []
     for i, st in enumerate(stats):
-        c = _channels(st.abs_sum, *st.rows)
+        rows = st.sample.rows
+        c = _channels(st.abs_sum, rows)
         sums = torch.stack(st.sums) if st.sums else torch.zeros(0, c, dtype=torch.float64)
-        carriers.append(_Carrier(f"awq group {i}", {"sums": "cat", "count": "sum", "rows": "cat"}, {
-            "sums": sums, "count": torch.tensor(st.count, dtype=torch.int64), "rows": _rows(st.rows, c)}))
+        carriers.append(_Carrier(f"awq group {i}", {"sums": "cat", "count": "sum", "rows": "cat", "keys": "cat"}, {
+            "sums": sums, "count": torch.tensor(st.count, dtype=torch.int64),
+            "rows": _rows([] if rows is None else [rows], c), "keys": st.sample.keys}))
     sync_observers(carriers)
     for st, c in zip(stats, carriers):
         st.sums = list(c.sums.unbind(0)) if c.sums.numel() else []
@@ -138,5 +144,5 @@ def sync_row_stats(stats: Iterable) -> None:
         for s in st.sums:  # the additions one process makes, in its order
             st.abs_sum = s if st.abs_sum is None else st.abs_sum + s
         st.count = int(c.count)
-        st.rows = [c.rows[:st.keep]] if c.rows.numel() else []
-        st.kept = sum(r.shape[0] for r in st.rows)
+        st.sample = RowSample(st.sample.keep, st.sample.seed)
+        st.sample.merge(c.keys, c.rows)
