@@ -23,7 +23,7 @@ _LINEAR = {torch.ops.aten.linear.default}
 _EMBEDDING = {torch.ops.aten.embedding.default}
 
 WEIGHT_ONLY_SCHEMES = {"int4": 4, "nf4": 4, "int8": 8}  # scheme -> bits
-WEIGHT_ONLY_ALGORITHMS = ("rtn", "gptq", "awq")
+WEIGHT_ONLY_ALGORITHMS = ("rtn", "gptq", "awq", "awq+gptq")  # awq+gptq: AWQ scales, GPTQ rounding
 
 
 @dataclass(frozen=True)
