@@ -34,11 +34,14 @@ from .._graph import get_attr
 from ..pipeline._float_fallback import bf16_weight_source, float_gemms
 from ._registry import LoweringContext, register_lowering
 
-__all__ = ["FLOAT_DTYPES", "bf16_supported", "bf16_attention_faster", "resolve_float_dtype", "float_ops_to_bf16",
+__all__ = ["FLOAT_DTYPES", "KEEP_FLOAT32_META_KEY", "bf16_supported", "bf16_attention_faster", "resolve_float_dtype", "float_ops_to_bf16",
            "float_layers_to_bf16", "lower_bf16", "lower_float_layers_bf16"]
 
 aten = torch.ops.aten
 _Q = torch.ops.quantized_decomposed
+# node.meta key of nodes this pass leaves exactly as they are (inputs not cast, output not bf16): an
+# int8 kernel chain whose arithmetic must stay the float32 reference's (``_per_token``'s quantize)
+KEEP_FLOAT32_META_KEY = "quantkit_keep_float32"
 # "auto": bf16 where the CPU computes it natively (AVX-512 BF16 or AMX) and oneDNN int8 runs
 FLOAT_DTYPES = ("auto", "bf16", "fp32")
 # quantized_decomposed ops that read the float tensor being quantized as their first argument
@@ -149,8 +152,8 @@ def _orig_dtype(gm: GraphModule, node) -> torch.dtype | None:
 def float_ops_to_bf16(gm: GraphModule) -> dict[str, int]:
     """Rewrite ``gm`` in place so its float ops run in bf16; return counts of inserted casts.
 
-    int8 tensors, quantization parameters (scales, zero points) and the q/dq ops themselves
-    are left alone; see the module docstring for the rule. The graph's outputs keep their dtype.
+    int8 tensors, quantization parameters (scales, zero points), the q/dq ops themselves and
+    nodes marked ``meta[KEEP_FLOAT32_META_KEY]`` are left alone; see the module docstring for the rule. The graph's outputs keep their dtype.
     """
     graph = gm.graph
     bf16 = set()  # nodes that now produce bf16 (originally float32)
@@ -180,7 +183,7 @@ def float_ops_to_bf16(gm: GraphModule) -> dict[str, int]:
 
     inserted = set()
     for node in list(graph.nodes):
-        if node.op != "call_function" or node in inserted:
+        if node.op != "call_function" or node in inserted or node.meta.get(KEEP_FLOAT32_META_KEY):
             continue
         if _is_qdq_op(node):
             if node.target not in _QUANT_READS_BF16 and node.args:

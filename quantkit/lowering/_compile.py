@@ -64,7 +64,7 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", float_dtype: s
             reference q/dq graph (also for a graph mixing 7-bit and 8-bit activations, and
             for per-token activations, int8 in -127..127: see ``_onednn.exact_for_graph``),
             recording why in one line (``meta["quantkit_reference_reason"]``, ``why_reference``);
-            per-token linears become ``aten._int_mm`` GEMMs that Inductor lowers to oneDNN
+            per-token linears become uint8 x int8 GEMMs that Inductor lowers to oneDNN
             (``_per_token.py``);
             ``"onednn"`` forces oneDNN (on AVX2-only CPUs with 8-bit activations its int16
             intermediate sums saturate: fast, not exact); ``"reference"`` never rewrites.
