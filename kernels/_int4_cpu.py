@@ -20,8 +20,10 @@ The result is accurate to ~2e-5 of the output's scale against float64 (``tests/t
 
 Layout (``pack_int4_cpu``): output channels in blocks of 16 (one zmm of float32 results); for each
 block and each 8 consecutive inputs ``k0..k7``, 16 dwords, one per channel, byte ``i`` holding
-``q[k_i] | q[k_{4+i}] << 4``. Scales: ``[N / 16, K / group, 2, 16]`` float32: ``scale`` and the
-zero point ``zp`` (unsigned, as a float).
+``q[k_i] | q[k_{4+i}] << 4``. Scales: ``[N / 16, G, 2, 16]`` float32: ``scale`` and the
+zero point ``zp`` (unsigned, as a float), ``G = ceil(K / group)``: when the group size does not
+divide K the last group holds the remainder (a multiple of 8: both are), with its own activation
+scale too.
 
 Rows are processed 4 at a time (the unpacked weights are reused across them); from ``M = 32`` on
 (prefill) the weight is instead decoded to bf16, 512 output channels at a time, and multiplied by
@@ -98,7 +100,8 @@ QK_TARGET static inline void qk_block(const int8_t* xa, const int8_t* xb, const 
   for (int64_t g = 0; g < G; ++g) {
     __m512i da[MR][NB], db[MR][NB];
     for (int r = 0; r < MR; ++r) for (int b = 0; b < NB; ++b) da[r][b] = db[r][b] = _mm512_setzero_si512();
-    for (int64_t o = g * octets; o < (g + 1) * octets; ++o) {
+    const int64_t o_end = (g + 1) * octets < K / 8 ? (g + 1) * octets : K / 8;  // a remainder group is shorter
+    for (int64_t o = g * octets; o < o_end; ++o) {
       __m512i a0[MR], a1[MR], b0[MR], b1[MR];
       for (int r = 0; r < MR; ++r) {
         const int32_t* pa = (const int32_t*)(xa + r * K + o * 8);
@@ -154,16 +157,16 @@ QK_TARGET static inline void qk_rows(const int8_t* xa, const int8_t* xb, const f
 // y[M, N] = x[M, K] @ W^T; x and y float32 (x_bf16 = 0) or bf16 (x_bf16 = 1).
 QK_TARGET void kernel(const void* x, const uint32_t* w, const float* sb, void* y,
                       int64_t M, int64_t N, int64_t K, int64_t gs, int64_t x_bf16, int64_t threads) {
-  const int64_t G = K / gs;
+  const int64_t G = (K + gs - 1) / gs;  // the last group holds the remainder when gs does not divide K
   std::vector<int8_t> xa((size_t)(M * K)), xb((size_t)(M * K));
   std::vector<float> xs((size_t)(M * G)), xsum((size_t)(M * G));
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t base = m * K + g * gs;
+      const int64_t base = m * K + g * gs, len = K - g * gs < gs ? K - g * gs : gs;
       __m512 vmax = _mm512_setzero_ps();
       __mmask16 nan = 0;
-      for (int64_t i = 0; i < gs; i += 16) {
-        const __mmask16 mk = qk_first(gs - i);
+      for (int64_t i = 0; i < len; i += 16) {
+        const __mmask16 mk = qk_first(len - i);
         const __m512 v = qk_load_x(x, base + i, mk, x_bf16);
         nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
@@ -173,8 +176,8 @@ QK_TARGET void kernel(const void* x, const uint32_t* w, const float* sb, void* y
       const __m512 rs = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f), k254 = _mm512_set1_ps(254.0f);  // NaN: 0
       const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
       __m512i sa = _mm512_setzero_si512(), sbv = _mm512_setzero_si512();
-      for (int64_t i = 0; i < gs; i += 16) {
-        const __mmask16 mk = qk_first(gs - i);
+      for (int64_t i = 0; i < len; i += 16) {
+        const __mmask16 mk = qk_first(len - i);
         const __m512 t = _mm512_mul_ps(qk_load_x(x, base + i, mk, x_bf16), rs);
         const __m512i a = _mm512_cvtps_epi32(t);  // round to nearest even
         const __m512i b = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, _mm512_cvtps_epi32(
@@ -226,7 +229,7 @@ _DECODE_SOURCE = r"""
 // from the packed layout, into out[K, 16 * nbs] (the prefill path decodes a slice at a time).
 QK_TARGET void kernel(const uint32_t* w, const float* sb, uint16_t* out, int64_t N, int64_t K, int64_t gs,
                       int64_t nb0, int64_t nbs, int64_t threads) {
-  const int64_t G = K / gs, octets = K / 8, width = nbs * 16;
+  const int64_t G = (K + gs - 1) / gs, octets = K / 8, width = nbs * 16;
   const __m512i lo4 = _mm512_set1_epi32(0xF), rnd = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
   #pragma omp parallel for num_threads((int)threads) schedule(static)
   for (int64_t o = 0; o < octets; ++o) {
@@ -315,11 +318,12 @@ def pack_int4_cpu(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
                   group_size: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed, scale_zero)`` for ``int4_linear_cpu`` from integer weights ``q[N, K]`` (int4 values,
     in [-8, 7] when ``signed`` else [0, 15]), ``scale`` and ``zero_point`` ``[N, K // group_size]``
-    (the weight is ``(q - zero_point) * scale``). Needs ``N % 16 == 0`` and ``group_size % 8 == 0``."""
+    (the weight is ``(q - zero_point) * scale``; ``[N, ceil(K / group_size)]`` with a last group of the
+    remainder). Needs ``N % 16 == 0``, ``K % 8 == 0`` and ``group_size % 8 == 0``."""
     n, k = q.shape
-    if n % BLOCK_N or group_size % 8 or k % group_size:
-        raise ValueError(f"int4_linear_cpu needs N % {BLOCK_N} == 0 and K % group_size == 0 with group_size "
-                         f"% 8 == 0; got N={n}, K={k}, group_size={group_size}")
+    if n % BLOCK_N or group_size % 8 or k % 8:
+        raise ValueError(f"int4_linear_cpu needs N % {BLOCK_N} == 0, K % 8 == 0 and group_size % 8 == 0; got "
+                         f"N={n}, K={k}, group_size={group_size}")
     shift = 8 if signed else 0
     u = (q.to(torch.int64) + shift)
     if int(u.min()) < 0 or int(u.max()) > 15:
@@ -330,7 +334,7 @@ def pack_int4_cpu(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
     packed = torch.where(dword >= 2 ** 31, dword - 2 ** 32, dword).to(torch.int32).contiguous()
     s = scale.to(torch.float32)
     b = zero_point.to(torch.float32) + shift
-    g = k // group_size
+    g = -(-k // group_size)
     sb = torch.stack([s.view(n // BLOCK_N, BLOCK_N, g), b.view(n // BLOCK_N, BLOCK_N, g)], dim=2)  # [blocks, 16, 2, G]
     return packed, sb.permute(0, 3, 2, 1).contiguous()  # [blocks, G, 2, 16]
 
@@ -343,10 +347,10 @@ def _check(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, grou
                          f"{packed.dtype} {tuple(packed.shape)}")
     if x.shape[-1] != k or x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"int4_linear_cpu: x must be float32 or bfloat16 [..., {k}], got {x.dtype} {tuple(x.shape)}")
-    if (group_size <= 0 or k % group_size or group_size % 8 or scale_zero.dtype != torch.float32
-            or tuple(scale_zero.shape) != (blocks, k // group_size, 2, 16) or not scale_zero.is_contiguous()):
+    if (group_size <= 0 or group_size % 8 or scale_zero.dtype != torch.float32
+            or tuple(scale_zero.shape) != (blocks, -(-k // group_size), 2, 16) or not scale_zero.is_contiguous()):
         raise ValueError(f"int4_linear_cpu: scale_zero {scale_zero.dtype} {tuple(scale_zero.shape)} is not the "
-                         f"contiguous float32 [N/16, K/group_size, 2, 16] of pack_int4_cpu for K={k}, "
+                         f"contiguous float32 [N/16, ceil(K/group_size), 2, 16] of pack_int4_cpu for K={k}, "
                          f"group_size={group_size}")
     return n, k
 

@@ -1,8 +1,8 @@
 """Triton W4A16 GEMM: float activations times int4 group-wise weights, dequantized in registers.
 
-``quantkit::w4a16_linear(x[..., K], w_packed[N, K // 2], scale[N, K // g], zero_point[N, K // g],
-group_size, signed, bias)`` computes ``x @ W^T + bias`` with ``W[n, k] = (q[n, k] - zp[n, k // g]) *
-scale[n, k // g]``: the representation ``quantkit.convert`` stores (two 4-bit values per byte, element
+``quantkit::w4a16_linear(x[..., K], w_packed[N, K // 2], scale[N, G], zero_point[N, G],
+group_size, signed, bias)`` (``G = ceil(K / g)``: a last group of the remainder) computes ``x @ W^T + bias``
+with ``W[n, k] = (q[n, k] - zp[n, k // g]) * scale[n, k // g]``: the representation ``quantkit.convert`` stores (two 4-bit values per byte, element
 ``2i`` in the low nibble; unsigned ``[0, 15]`` or, with ``signed``, two's complement ``[-8, 7]``).
 
 Each program loads a ``[BLOCK_K, BLOCK_N]`` tile of packed bytes, unpacks and dequantizes it in
@@ -100,9 +100,9 @@ def _check(x, w_packed, scale, zero_point, group_size, bias) -> None:
     n, k = w_packed.shape[0], w_packed.shape[1] * 2
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features but w_packed holds {k} per row")
-    if group_size < 2 or k % group_size:
-        raise ValueError(f"group_size {group_size} must be >= 2 and divide the {k} input features")
-    groups = (n, k // group_size)
+    if group_size < 2:
+        raise ValueError(f"group_size must be >= 2, got {group_size}")
+    groups = (n, _qmath.group_count(k, group_size))  # a last group of the remainder when it does not divide
     if tuple(scale.shape) != groups or tuple(zero_point.shape) != groups:
         raise ValueError(f"scale and zero_point must be {groups} (one per group), got {tuple(scale.shape)} and "
                          f"{tuple(zero_point.shape)}")
@@ -143,9 +143,10 @@ def w4a16_linear(x: torch.Tensor, w_packed: torch.Tensor, scale: torch.Tensor, z
     Args:
         x: activations ``[..., K]`` (fp16 / bf16; float32 is computed in bf16 and returned as float32).
         w_packed: uint8 ``[N, K // 2]``, two int4 values per byte (:func:`quantkit._qmath.pack_int4`).
-        scale: float32 ``[N, K // group_size]``.
-        zero_point: integer ``[N, K // group_size]`` (int8 is how ``quantkit.convert`` stores them).
-        group_size: input features per scale.
+        scale: float32 ``[N, ceil(K / group_size)]``.
+        zero_point: integer ``[N, ceil(K / group_size)]`` (int8 is how ``quantkit.convert`` stores them).
+        group_size: input features per scale; when it does not divide K the last group holds the
+            remainder (the kernel's ``k // GROUP_SIZE`` indexing needs nothing else).
         signed: values are two's complement ``[-8, 7]`` (else unsigned ``[0, 15]``).
         bias: ``[N]`` or None.
 

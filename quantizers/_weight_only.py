@@ -40,6 +40,7 @@ class WeightOnlyConfig(SchemeConfig):
     symmetric: bool = False
     algorithm: str = "rtn"
     embeddings: bool = False
+    double_quant: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8) or isinstance(self.bits, bool):
@@ -58,34 +59,53 @@ class WeightOnlyConfig(SchemeConfig):
             raise ValueError(f"unknown weight algorithm {self.algorithm!r}; use one of {list(WEIGHT_ONLY_ALGORITHMS)}")
         if not isinstance(self.symmetric, bool) or not isinstance(self.embeddings, bool):
             raise ValueError("symmetric and embeddings must be True or False")
+        if not isinstance(self.double_quant, bool):
+            raise ValueError(f"double_quant must be True or False, got {self.double_quant!r}")
+        if self.double_quant and scheme != "nf4":
+            raise ValueError(f"double_quant quantizes NF4's absmax scales; scheme {scheme!r} has none: "
+                             "use scheme='nf4' or drop double_quant")
 
     def quantizer(self) -> "WeightOnlyQuantizer":
         """``WeightOnlyQuantizer`` with these settings for the whole model."""
         return WeightOnlyQuantizer(self.bits, self.group_size, self.scheme, self.symmetric, self.algorithm,
-                                   embeddings=self.embeddings)
+                                   embeddings=self.embeddings, double_quant=self.double_quant)
 
 
 class GroupSizeError(QuantkitError):
-    """Layers whose input features are not a multiple of the group size.
+    """Layers with fewer input features than one group of the group size.
+
+    A group size that does not divide a layer's input features is not an error: the last group
+    holds the remainder (576 = 4 x 128 + 64). A group size larger than the whole row is (pass
+    ``group_size=None`` for one group per row). Exports whose format cannot hold a remainder
+    group (compressed-tensors, GGUF) refuse it themselves, naming the group sizes that divide.
 
     Attributes:
         layers: ``(weight name, input features)`` of every such layer, in graph order
             (``"fc.weight"``: the layer is the module ``"fc"``).
-        group_size: the group size they do not divide into.
+        group_size: the group size they are narrower than (or, with ``algorithm``, do not divide).
         in_features: the input features of every layer annotated with that group size, the
             fitting ones too (a group size that divides them all fits the whole model).
+        algorithm: None, or the rounding algorithm (``"gptq"``, ``"awq"``, ...) that needs whole
+            groups: then ``layers`` are those the group size does not divide (GPTQ and AWQ round
+            and search whole groups; round to nearest takes a remainder group).
     """
 
     def __init__(self, layers: tuple[tuple[str, int], ...], group_size: int,
-                 in_features: tuple[int, ...] = ()) -> None:
-        self.layers, self.group_size = tuple(layers), group_size
+                 in_features: tuple[int, ...] = (), algorithm: Optional[str] = None) -> None:
+        self.layers, self.group_size, self.algorithm = tuple(layers), group_size, algorithm
         self.in_features = tuple(sorted(set(in_features) | {k for _, k in self.layers}))
         weight, k = self.layers[0]
         n = len(self.layers) - 1
         more = f" (nor do {n} more layer{'s' if n > 1 else ''})" if n else ""
-        super().__init__(f"layer '{weight}' has {k} input features, not a multiple of group_size={group_size}{more}; "
-                         f"choose a group size that divides it or keep the layer float with "
-                         f"set_module_name('{module_of(weight)}', None)")
+        if algorithm is not None:
+            super().__init__(f"layer '{weight}' has {k} input features, not a multiple of group_size={group_size}"
+                             f"{more}, and algorithm={algorithm!r} rounds whole groups; choose a group size that "
+                             f"divides it, algorithm='rtn' (a last group of the remainder), or keep the layer float "
+                             f"with set_module_name('{module_of(weight)}', None)")
+            return
+        super().__init__(f"layer '{weight}' has {k} input features, fewer than group_size={group_size}{more}; "
+                         f"choose a group size of at most {min(k for _, k in self.layers)} (or None: one group "
+                         f"per row) or keep the layer float with set_module_name('{module_of(weight)}', None)")
 
 
 class WeightOnlyQuantizer(Quantizer):
@@ -100,25 +120,31 @@ class WeightOnlyQuantizer(Quantizer):
 
     Args:
         bits: 4 or 8.
-        group_size: input features sharing one scale; it must divide every quantized layer's
-            input features. None: one group per output row (per channel).
+        group_size: input features sharing one scale; where it does not divide a layer's input
+            features the last group holds the remainder (576 = 4 x 128 + 64); it must not exceed
+            them (:class:`GroupSizeError`). None: one group per output row (per channel).
         scheme: ``"int4"``, ``"nf4"`` (4-bit) or ``"int8"``; default: ``"int4"`` for 4 bits,
             ``"int8"`` for 8.
         symmetric: symmetric integer qparams (zero point 0) instead of affine (NF4 is absmax).
         algorithm: rounding: ``"rtn"`` (round to nearest), ``"gptq"`` or ``"awq"`` (recorded on the
             observers as ``weight_algorithm`` for the rounding passes; round to nearest without them).
         embeddings: also quantize embedding tables (groups along the embedding dimension).
+        double_quant: NF4 only: QLoRA's double quantization, the absmax scales stored as 8-bit
+            floats in blocks of 256 with one fp32 scale per block (4.127 instead of 4.5 bits per
+            weight at groups of 64).
 
     Example:
         >>> q = WeightOnlyQuantizer(bits=4, group_size=128).set_module_name("lm_head", None)
+        >>> q = WeightOnlyQuantizer(scheme="nf4", group_size=64, double_quant=True)
     """
 
     def __init__(self, bits: int = 4, group_size: Optional[int] = 128, scheme: Optional[str] = None,
-                 symmetric: bool = False, algorithm: str = "rtn", *, embeddings: bool = False) -> None:
+                 symmetric: bool = False, algorithm: str = "rtn", *, embeddings: bool = False,
+                 double_quant: bool = False) -> None:
         super().__init__()
         self.global_config: Optional[WeightOnlyConfig] = WeightOnlyConfig(
             bits=bits, group_size=group_size, scheme=scheme, symmetric=symmetric, algorithm=algorithm,
-            embeddings=embeddings)
+            embeddings=embeddings, double_quant=double_quant)
         self.module_type_config: dict[str, Optional[WeightOnlyConfig]] = {}
         self.module_name_config: dict[str, Optional[WeightOnlyConfig]] = {}
 
@@ -162,7 +188,7 @@ class WeightOnlyQuantizer(Quantizer):
         group_size = config.group_size or in_features
         ctor = GroupwiseWeightObserver.with_args(
             group_size=group_size, scheme=config.scheme, symmetric=config.symmetric,
-            weight_algorithm=config.algorithm)
+            weight_algorithm=config.algorithm, double_quant=config.double_quant)
         obs = ctor()
         return QuantizationSpec(
             dtype=obs.dtype, quant_min=obs.quant_min, quant_max=obs.quant_max, qscheme=obs.qscheme,
@@ -172,8 +198,10 @@ class WeightOnlyQuantizer(Quantizer):
     # --- annotation -------------------------------------------------------------------
     def annotate(self, model: GraphModule) -> GraphModule:
         """Annotate every weight the config covers; raises :class:`GroupSizeError` naming every
-        layer whose input features the group size does not divide."""
+        layer with fewer input features than the group size (one that does not divide them leaves
+        a last group of the remainder)."""
         misfits: dict[int, list[tuple[str, int]]] = {}
+        unrounded: dict[tuple[int, str], list[tuple[str, int]]] = {}  # (group size, algorithm) -> layers
         widths: dict[int, set[int]] = {}  # group size -> input features of the layers it applies to
         for node in model.graph.nodes:
             if node.op != "call_function" or ANNOTATION_KEY in node.meta:
@@ -195,14 +223,20 @@ class WeightOnlyQuantizer(Quantizer):
                 continue
             k = int(val.shape[1])
             widths.setdefault(config.group_size, set()).add(k)
-            if config.group_size is not None and k % config.group_size:
+            if config.group_size is not None and k < config.group_size:
                 misfits.setdefault(config.group_size, []).append((str(weight.target), k))
+                continue
+            if config.group_size is not None and k % config.group_size and config.algorithm != "rtn":
+                unrounded.setdefault((config.group_size, config.algorithm), []).append((str(weight.target), k))
                 continue
             node.meta[ANNOTATION_KEY] = QuantizationAnnotation(
                 input_qspec_map={weight: self.weight_spec(config, k)}, _annotated=True)
         if misfits:
             group_size, layers = next(iter(misfits.items()))
             raise GroupSizeError(tuple(layers), group_size, tuple(widths[group_size]))
+        if unrounded:
+            (group_size, algorithm), layers = next(iter(unrounded.items()))
+            raise GroupSizeError(tuple(layers), group_size, tuple(widths[group_size]), algorithm)
         return model
 
     def validate(self, model: GraphModule) -> None:

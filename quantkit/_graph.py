@@ -49,7 +49,8 @@ FLOAT8_DEQUANTIZE_OPS = frozenset({_AO.dequantize_affine_float8_non_decomposed.d
 FLOAT8_CHOOSE_OPS = frozenset({_AO.choose_scale_float8.default})
 # group-wise weights: torch's per-group dequantize, NF4's table look-up
 GROUPWISE_DEQUANTIZE_OPS = frozenset({_OPS.dequantize_per_channel_group.default,
-                                      torch.ops.quantkit.dequantize_nf4.default})
+                                      torch.ops.quantkit.dequantize_nf4.default,
+                                      torch.ops.quantkit.dequantize_group.default})  # remainder groups
 # node.meta key of a quantizer's annotation (torchao's Q_ANNOTATION_KEY)
 ANNOTATION_KEY = "quantization_annotation"
 # folded quantized weights are buffers named as torchao's constant_fold (and Inductor's

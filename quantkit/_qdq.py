@@ -1,7 +1,8 @@
 """The quantize/dequantize core of converted graphs: graph ops, granularity names, node builders.
 
-- ``quantkit::unpack_int4`` / ``quantkit::dequantize_nf4``: the graph ops of the weight-only
-  representation, registered with ``torch.library`` (with fake implementations, so graphs holding
+- ``quantkit::unpack_int4`` / ``quantkit::dequantize_nf4`` / ``quantkit::quantize_group`` /
+  ``quantkit::dequantize_group`` (remainder groups) / ``quantkit::dequantize_scales`` (NF4 double
+  quantization): the graph ops of the weight-only representation, registered with ``torch.library`` (with fake implementations, so graphs holding
   them export, save, load and compile) when this module is imported (moved here from
   ``quantkit/pipeline/_groupwise_ops.py``);
 - granularity names observers declare (``granularity``): :data:`PER_TENSOR`, :data:`PER_CHANNEL`,
@@ -27,7 +28,7 @@ from ._errors import ConvertError
 from ._qmath import FLOAT8_DTYPES, underlying_dtype
 
 __all__ = [
-    "unpack_int4", "dequantize_nf4", "PER_TENSOR", "PER_CHANNEL", "PER_TOKEN", "PER_GROUP",
+    "unpack_int4", "dequantize_nf4", "quantize_group", "dequantize_group", "dequantize_scales", "PER_TENSOR", "PER_CHANNEL", "PER_TOKEN", "PER_GROUP",
     "SUPPORTED_DTYPES", "CHOOSE_QPARAMS", "kind_from_attributes", "emit_dynamic",
 ]
 
@@ -71,6 +72,47 @@ def dequantize_nf4(codes: torch.Tensor, table: torch.Tensor, scale: torch.Tensor
 @dequantize_nf4.register_fake
 def _(codes, table, scale, group_size, output_dtype):
     return codes.new_empty(codes.shape, dtype=output_dtype)
+
+
+# remainder groups (``K % group_size != 0``: a last group of the remainder) and NF4 double
+# quantization: torch's ``*_per_channel_group`` ops need whole groups, so these layers carry
+# quantkit's own ops, whose math is ``_qmath``'s (the same per-element arithmetic as torch's ops)
+@torch.library.custom_op("quantkit::quantize_group", mutates_args=())
+def quantize_group(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, quant_min: int, quant_max: int,
+                   dtype: torch.dtype, group_size: int) -> torch.Tensor:
+    """Group-wise quantize of ``x`` ``[N, K]`` with ``scale``/``zero_point`` ``[N, ceil(K / g)]``."""
+    return _qmath.quantize_group(x, scale, zero_point, quant_min, quant_max, dtype, group_size)
+
+
+@quantize_group.register_fake
+def _(x, scale, zero_point, quant_min, quant_max, dtype, group_size):
+    return x.new_empty(x.shape, dtype=underlying_dtype(dtype))
+
+
+@torch.library.custom_op("quantkit::dequantize_group", mutates_args=())
+def dequantize_group(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, quant_min: int,
+                     quant_max: int, dtype: torch.dtype, group_size: int,
+                     output_dtype: torch.dtype) -> torch.Tensor:
+    """``(q - zero_point) * scale`` per group of ``group_size``, the last group the remainder of K."""
+    return _qmath.dequantize_group(q, scale, zero_point, quant_min, quant_max, dtype, group_size, output_dtype)
+
+
+@dequantize_group.register_fake
+def _(q, scale, zero_point, quant_min, quant_max, dtype, group_size, output_dtype):
+    return q.new_empty(q.shape, dtype=output_dtype)
+
+
+@torch.library.custom_op("quantkit::dequantize_scales", mutates_args=())
+def dequantize_scales(codes: torch.Tensor, block_scale: torch.Tensor, offset: torch.Tensor,
+                      block_size: int) -> torch.Tensor:
+    """NF4 double quantization: ``float(codes) * block_scale + offset`` (float8 codes ``[N, G]``,
+    one fp32 block scale per ``block_size`` codes, one fp32 offset): the fp32 scales ``[N, G]``."""
+    return _qmath.dequantize_scales(codes, block_scale, offset, block_size)
+
+
+@dequantize_scales.register_fake
+def _(codes, block_scale, offset, block_size):
+    return codes.new_empty(codes.shape, dtype=torch.float32)
 
 
 # --- the kind an observer's attributes declare -------------------------------------------------

@@ -39,7 +39,12 @@ __all__ = [
     "choose_qparams_group",
     "quantize_group",
     "dequantize_group",
+    "group_count",
+    "expand_group_params",
     "nf4_scales",
+    "DOUBLE_QUANT_BLOCK",
+    "double_quantize_scales",
+    "dequantize_scales",
     "quantize_nf4",
     "dequantize_nf4",
     "pack_int4",
@@ -343,18 +348,42 @@ NF4_VALUES = (
 )
 
 
+def group_count(in_features: int, group_size: int) -> int:
+    """Groups of ``group_size`` along ``in_features``, the last one holding the remainder when the
+    size does not divide (576 features in groups of 128: 4 full groups and one of 64, so 5)."""
+    return -(-int(in_features) // int(group_size))
+
+
+def _check_2d(w: torch.Tensor, group_size: int) -> None:
+    if w.dim() != 2 or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group-wise quantization needs a 2-D weight and a group size >= 1, got shape "
+                         f"{tuple(w.shape)} and group_size={group_size!r}")
+
+
+def _padded(w: torch.Tensor, group_size: int, mode: str = "zeros") -> torch.Tensor:
+    """``w`` ``[N, K]`` widened along K to whole groups: ``[N, G * group_size]``. ``mode="edge"``
+    repeats the last column (min, max and absmax of the remainder group unchanged); ``"zeros"``
+    pads with 0 (for element-wise work whose padded results are sliced off)."""
+    _check_2d(w, group_size)
+    k = w.shape[1]
+    pad = group_count(k, group_size) * group_size - k
+    if pad == 0:
+        return w
+    if mode == "edge":
+        return torch.cat([w, w[:, -1:].expand(w.shape[0], pad)], dim=1)
+    return torch.cat([w, w.new_zeros(w.shape[0], pad)], dim=1)
+
+
 def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
-    if w.dim() != 2 or w.shape[-1] % group_size != 0:
-        raise ValueError(
-            f"group-wise quantization needs a 2-D weight whose last dimension is a multiple of the group "
-            f"size {group_size}, got shape {tuple(w.shape)}"
-        )
-    return w.reshape(w.shape[0], w.shape[1] // group_size, group_size)
+    """``[N, G, group_size]`` view of the edge-padded ``w`` (the remainder group keeps its own range)."""
+    p = _padded(w, group_size, "edge")
+    return p.reshape(p.shape[0], p.shape[1] // group_size, group_size)
 
 
 def group_min_max(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Minimum and maximum of each group of ``group_size`` consecutive input features of the
-    ``[N, K]`` weight ``w``: two float32 ``[N, K // group_size]`` tensors."""
+    ``[N, K]`` weight ``w``: two float32 ``[N, G]`` tensors, ``G = group_count(K, group_size)``
+    (a last group of the remainder when the size does not divide K)."""
     g = _grouped(w.detach().float(), group_size)
     return g.amin(-1), g.amax(-1)
 
@@ -362,7 +391,7 @@ def group_min_max(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
 def choose_qparams_group(min_val: torch.Tensor, max_val: torch.Tensor, *, quant_min: int, quant_max: int,
                          symmetric: bool, dtype: torch.dtype = torch.int8,
                          eps: float | torch.Tensor = DEFAULT_EPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero point of every group (shapes of ``min_val``, e.g. ``[N, K // g]``):
+    """Scale and zero point of every group (shapes of ``min_val``, e.g. ``[N, G]``):
     :func:`choose_qparams`' per-channel formula applied to each group's range.
 
     Returns:
@@ -378,24 +407,42 @@ def choose_qparams_group(min_val: torch.Tensor, max_val: torch.Tensor, *, quant_
 def quantize_group(w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, quant_min: int,
                    quant_max: int, dtype: torch.dtype, group_size: int) -> torch.Tensor:
     """Quantize the ``[N, K]`` weight ``w`` group-wise exactly as the graph op
-    ``quantized_decomposed.quantize_per_channel_group`` does (``scale``/``zero_point``: one per group)."""
-    _grouped(w, group_size)
-    return torch.ops.quantized_decomposed.quantize_per_channel_group.default(
-        w, scale, zero_point, quant_min, quant_max, underlying_dtype(dtype), group_size)
+    ``quantized_decomposed.quantize_per_channel_group`` does (``scale``/``zero_point``: one per group,
+    ``[N, G]``). A remainder group is computed by the same op on ``w`` padded to whole groups, the
+    padding sliced off: each element's arithmetic is the op's."""
+    k = w.shape[-1]
+    q = torch.ops.quantized_decomposed.quantize_per_channel_group.default(
+        _padded(w, group_size), scale, zero_point, quant_min, quant_max, underlying_dtype(dtype), group_size)
+    return q if q.shape[-1] == k else q[:, :k].contiguous()
 
 
 def dequantize_group(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, quant_min: int,
                      quant_max: int, dtype: torch.dtype, group_size: int,
                      out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of :func:`quantize_group`: ``(q - zero_point) * scale`` per group, as
-    ``quantized_decomposed.dequantize_per_channel_group``."""
-    return torch.ops.quantized_decomposed.dequantize_per_channel_group.default(
-        q, scale, zero_point, quant_min, quant_max, underlying_dtype(dtype), group_size, out_dtype)
+    ``quantized_decomposed.dequantize_per_channel_group`` (a remainder group as in :func:`quantize_group`)."""
+    k = q.shape[-1]
+    w = torch.ops.quantized_decomposed.dequantize_per_channel_group.default(
+        _padded(q, group_size), scale, zero_point, quant_min, quant_max, underlying_dtype(dtype), group_size,
+        out_dtype)
+    return w if w.shape[-1] == k else w[:, :k].contiguous()
+
+
+def expand_group_params(t: torch.Tensor, in_features: int, group_size: int, fine: int) -> torch.Tensor:
+    """Per-group ``t`` ``[N, G]`` repeated onto groups of ``fine`` (a size dividing both ``group_size``
+    and ``in_features``): ``[N, in_features // fine]``. A group of 128 is two of 64 with the same
+    scale, so a remainder layout (576 = 4 x 128 + 64) is exactly a regular one of 64 (5 -> 9 columns)."""
+    if group_size % fine or in_features % fine:
+        raise ValueError(f"group size {fine} must divide group_size={group_size} and {in_features} features")
+    n_groups = group_count(in_features, group_size)
+    reps = torch.full((n_groups,), group_size // fine, dtype=torch.int64)
+    reps[-1] = (in_features - (n_groups - 1) * group_size) // fine
+    return t.reshape(t.shape[0], n_groups).repeat_interleave(reps.to(t.device), dim=1).contiguous()
 
 
 def nf4_scales(w: torch.Tensor, group_size: int, eps: float = DEFAULT_EPS) -> torch.Tensor:
-    """NF4's per-group absmax scales of the ``[N, K]`` weight ``w`` (float32 ``[N, K // g]``),
-    floored at ``eps`` so an all-zero group gets no zero scale."""
+    """NF4's per-group absmax scales of the ``[N, K]`` weight ``w`` (float32 ``[N, G]``, a remainder
+    group of its own), floored at ``eps`` so an all-zero group gets no zero scale."""
     return _grouped(w.detach().float(), group_size).abs().amax(-1).clamp(min=eps)
 
 
@@ -403,17 +450,60 @@ def quantize_nf4(w: torch.Tensor, scale: torch.Tensor, group_size: int) -> torch
     """NF4 codes (uint8 in ``[0, 15]``) of ``w``: per group, the index of the table value
     nearest ``w / absmax`` (an exact tie goes to the lower value)."""
     table = torch.tensor(NF4_VALUES, dtype=torch.float32, device=w.device)
-    x = _grouped(w.detach().float(), group_size) / scale.reshape(w.shape[0], -1, 1)
+    n, k = w.shape
+    x = _grouped(w.detach().float(), group_size) / scale.reshape(n, -1, 1)
     codes = torch.bucketize(x, (table[1:] + table[:-1]) / 2)
-    return codes.to(torch.uint8).reshape(w.shape)
+    return codes.to(torch.uint8).reshape(n, -1)[:, :k].contiguous()
 
 
 def dequantize_nf4(codes: torch.Tensor, table: torch.Tensor, scale: torch.Tensor, group_size: int,
                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``table[codes] * scale`` per group (a table look-up), cast to ``out_dtype``."""
     n, k = codes.shape
-    values = table.float()[codes.long()].reshape(n, k // group_size, group_size)
-    return (values * scale.float().reshape(n, -1, 1)).reshape(n, k).to(out_dtype)
+    values = _padded(table.float()[codes.long()], group_size)
+    values = values.reshape(n, -1, group_size) * scale.float().reshape(n, -1, 1)
+    return values.reshape(n, -1)[:, :k].to(out_dtype)
+
+
+# --- NF4 double quantization (QLoRA, Dettmers et al. 2023, section 3) ------------------------------
+# QLoRA quantizes the fp32 absmax scales c2 a second time "with 8-bit Floats with a blocksize of 256",
+# after subtracting their mean ("since the c2 are positive, we subtract the mean from c2 before
+# quantization to center the values around zero and make use of symmetric quantization"). Here: the
+# mean (one fp32 offset per weight), then blocks of 256 consecutive scales (row-major over [N, G]),
+# each divided by its own fp32 block scale absmax / 448 and rounded to float8_e4m3fn (nearest, ties
+# to even). Dequantized: fp8 * block_scale + offset, in float32.
+DOUBLE_QUANT_BLOCK = 256
+_DQ_FP8 = torch.float8_e4m3fn
+
+
+def double_quantize_scales(scale: torch.Tensor, block_size: int = DOUBLE_QUANT_BLOCK,
+                           eps: float = DEFAULT_EPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """QLoRA's double quantization of NF4's fp32 absmax ``scale`` (any shape, e.g. ``[N, G]``).
+
+    Returns:
+        ``(codes, block_scale, offset)``: float8_e4m3fn codes shaped like ``scale``, float32
+        ``[ceil(scale.numel() / block_size)]`` block scales (floored at ``eps``) and the float32
+        ``[1]`` mean that was subtracted (computed in float64, rounded once).
+    """
+    s = scale.detach().float()
+    flat = s.reshape(-1)
+    offset = flat.double().mean().float().reshape(1)
+    centred = flat - offset
+    blocks = group_count(flat.numel(), block_size)
+    padded = torch.cat([centred, centred.new_zeros(blocks * block_size - flat.numel())]).reshape(blocks, block_size)
+    block_scale = (padded.abs().amax(-1) / float8_max(_DQ_FP8)).clamp(min=eps)
+    x = (padded / block_scale[:, None]).clamp(-float8_max(_DQ_FP8), float8_max(_DQ_FP8))
+    codes = x.to(_DQ_FP8).reshape(-1)[:flat.numel()].reshape(s.shape)
+    return codes, block_scale, offset
+
+
+def dequantize_scales(codes: torch.Tensor, block_scale: torch.Tensor, offset: torch.Tensor,
+                      block_size: int = DOUBLE_QUANT_BLOCK) -> torch.Tensor:
+    """Inverse of :func:`double_quantize_scales`: ``float(codes) * block_scale + offset`` (float32,
+    shaped like ``codes``): the NF4 scales a double-quantized weight is dequantized with."""
+    flat = codes.float().reshape(-1)
+    per = block_scale.float().repeat_interleave(block_size)[:flat.numel()]
+    return (flat * per + offset.float().reshape(())).reshape(codes.shape)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,10 @@ def test_weight_only_schemes_are_recorded(mlp_inputs, tmp_path, extra, expected)
     (["--scheme", "nf4", "--activation", "symmetric-int8"], 2, "--activation has no effect with --scheme nf4"),
     (["--scheme", "w4a16", "--group-size", "1"], 2, "--group-size must be at least 2, got 1"),
     (["--scheme", "w4a16", "--algorithm", "bogus"], 2, "invalid choice: 'bogus'"),
-    (["--scheme", "w4a16", "--group-size", "48"], 1, "has 64 input features, not a multiple of --group-size 48"),
+    (["--scheme", "w4a16", "--group-size", "96"], 1, "has 64 input features, fewer than --group-size 96"),
+    (["--scheme", "w4a16", "--group-size", "48", "--algorithm", "gptq"], 1,
+     "has 64 input features, not a multiple of --group-size 48 (nor do 2 more layers), and --algorithm gptq rounds"),
+    (["--scheme", "w4a16", "--double-quant"], 2, "--double-quant quantizes NF4's scales; --scheme w4a16 has none"),
 ])
 def test_weight_only_usage_errors(mlp_inputs, tmp_path, capsys, extra, code, message):
     weights, calib = mlp_inputs

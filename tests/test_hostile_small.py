@@ -170,7 +170,7 @@ _API_WORDS = ("set_module_name", "overwrite=True", "group_size=", "skip_unsuppor
 
 
 def test_group_size_error_names_the_flags_and_its_suggestion_works(mlp_files, tmp_path, capsys):
-    """w4a16's groups of 128 do not divide the MLP's 64/128-wide inputs: the line says --group-size and
+    """Groups of 96 are wider than the MLP's 64-wide input: the line says --group-size and
     --skip (never set_module_name or group_size=), and the group size it suggests quantizes."""
     weights, calib = mlp_files
     out = tmp_path / "out"
@@ -185,16 +185,17 @@ def test_group_size_error_names_the_flags_and_its_suggestion_works(mlp_files, tm
 
 
 def test_group_size_error_of_the_api_lists_every_layer():
-    """The API error keeps the API's words and carries every misfit layer (the CLI words it from them)."""
+    """The API error keeps the API's words and carries every misfit layer (the CLI words it from them):
+    those narrower than one group (a group size that does not divide leaves a remainder group)."""
     from quantkit.quantizers import GroupSizeError, WeightOnlyQuantizer
     from tests.models import MLP
 
     model, x = MLP(d_in=96, d_hidden=80, d_out=8).eval(), torch.randn(2, 96)
     with pytest.raises(GroupSizeError) as info:
-        quantkit.prepare(quantkit.capture(model, (x,)), WeightOnlyQuantizer(group_size=64))
+        quantkit.prepare(quantkit.capture(model, (x,)), WeightOnlyQuantizer(group_size=128))
     names = [name for name, _ in info.value.layers]
     expected = [f"{n}.weight" for n, m in model.named_modules()
-                if isinstance(m, torch.nn.Linear) and m.in_features % 64]
+                if isinstance(m, torch.nn.Linear) and m.in_features < 128]
     assert names == expected and len(expected) >= 2, (names, expected)
     assert "set_module_name(" in str(info.value) and "\n" not in str(info.value)
 

@@ -25,17 +25,24 @@ class WeightOnlyRecipe:
     algorithm: str = "rtn"
     weights: str = "int4"  # WeightOnlyConfig.scheme: int4, int8 or nf4
     symmetric: bool = False
+    double_quant: bool = False  # --double-quant (nf4 only)
 
     @staticmethod
     def from_args(args, config=None) -> "WeightOnlyRecipe | None":
         """The weight-only recipe of ``--scheme`` (its registered ``config``), or None; flags that only
         mean something for the W8A8 recipes (or only for weight-only ones) are usage errors."""
         scheme, group_size = args.scheme, getattr(args, "group_size", None)
+        double_quant = bool(getattr(args, "double_quant", None))
         if not isinstance(config, WeightOnlyConfig):
             if group_size is not None:
                 raise inputs.UsageError(f"--group-size applies to the weight-only schemes; add --scheme "
                                         f"{presets_of(WeightOnlyConfig)}, or drop it")
+            if double_quant:
+                raise inputs.UsageError("--double-quant quantizes NF4's scales; add --scheme nf4, or drop it")
             return None
+        if double_quant and config.scheme != "nf4":
+            raise inputs.UsageError(f"--double-quant quantizes NF4's scales; --scheme {scheme} has none: use "
+                                    "--scheme nf4, or drop it")
         activation_flags = (("--dynamic", args.dynamic), ("--granularity", args.granularity),
                             ("--activation", args.activation), ("--ops", args.ops), ("--observer", args.observer),
                             ("--smoothquant", args.smoothquant), ("--accuracy-budget", args.accuracy_budget))
@@ -49,7 +56,8 @@ class WeightOnlyRecipe:
         if group_size is not None and group_size < 2:
             raise inputs.UsageError(f"--group-size must be at least 2, got {group_size}")
         return WeightOnlyRecipe(scheme, group_size if group_size is not None else config.group_size,
-                                getattr(args, "algorithm", None) or config.algorithm, config.scheme, config.symmetric)
+                                getattr(args, "algorithm", None) or config.algorithm, config.scheme, config.symmetric,
+                                double_quant or config.double_quant)
 
     def config(self) -> WeightOnlyConfig:
         """This recipe's ``WeightOnlyConfig`` (what quantization.json's ``config`` records)."""
@@ -57,8 +65,9 @@ class WeightOnlyRecipe:
 
     def kwargs(self) -> dict:
         """``WeightOnlyQuantizer`` arguments."""
-        return dict(bits=8 if self.weights == "int8" else 4, group_size=self.group_size, scheme=self.weights,
-                    symmetric=self.symmetric, algorithm=self.algorithm)
+        kw = dict(bits=8 if self.weights == "int8" else 4, group_size=self.group_size, scheme=self.weights,
+                  symmetric=self.symmetric, algorithm=self.algorithm)
+        return {**kw, "double_quant": True} if self.double_quant else kw
 
     def quantizer(self, skipped: list[str]):
         """Weight-only linears plus int8 embeddings (as the W8A8 recipes); ``skipped`` modules stay float."""
@@ -77,12 +86,14 @@ class WeightOnlyRecipe:
         kw = self.kwargs()
         return {"scheme": self.scheme, "weight_only": True, "bits": kw["bits"], "weights": kw["scheme"],
                 "group_size": self.group_size, "symmetric": kw["symmetric"], "algorithm": self.algorithm,
-                "activation": None, "ops": ["linear"], "embeddings": "int8 per row"}
+                "activation": None, "ops": ["linear"], "embeddings": "int8 per row",
+                **({"double_quant": True} if self.double_quant else {})}
 
 
 def _group_size_message(exc) -> str:
-    """A ``GroupSizeError`` in the command line's words (``--group-size``, ``--skip``), suggesting
-    the largest power-of-two group size below it that divides every layer's input features."""
+    """A ``GroupSizeError`` (a layer narrower than one group) in the command line's words
+    (``--group-size``, ``--skip``), suggesting the largest power-of-two group size below it that
+    divides every layer's input features (no remainder group: every export holds it)."""
     from quantkit.quantizers._weight_only import module_of
 
     weight, k = exc.layers[0]
@@ -92,7 +103,11 @@ def _group_size_message(exc) -> str:
     fits = next((g for g in (128, 64, 32, 16, 8, 4, 2) if g < group_size and all(f % g == 0 for f in exc.in_features)),
                 None)
     choose = f"pass --group-size {fits}" if fits else "pass a --group-size that divides it"
-    return (f"layer {module_of(weight)!r} has {k} input features, not a multiple of --group-size {group_size}{more}; "
+    if getattr(exc, "algorithm", None) is not None:  # GPTQ / AWQ need whole groups
+        return (f"layer {module_of(weight)!r} has {k} input features, not a multiple of --group-size {group_size}"
+                f"{more}, and --algorithm {exc.algorithm} rounds whole groups; {choose}, --algorithm rtn (a last "
+                f"group of the remainder), or keep the layer float with --skip {module_of(weight)}")
+    return (f"layer {module_of(weight)!r} has {k} input features, fewer than --group-size {group_size}{more}; "
             f"{choose}, or keep the layer float with --skip {module_of(weight)}")
 
 
@@ -129,5 +144,7 @@ def describe_weight_only(r: dict) -> str:
     group = f"groups of {r.get('group_size')}" if r.get("group_size") else "per channel"
     kind = "symmetric" if r.get("symmetric") else "asymmetric"
     weights = "NF4" if r.get("weights") == "nf4" else f"{r.get('bits')}-bit {kind}"
+    if r.get("double_quant"):
+        weights += " (double-quantized scales)"
     return (f"scheme `{r.get('scheme')}`: {weights} weights ({group}, {r.get('algorithm')} rounding), "
             "float activations, ops linear, int8 embeddings")

@@ -21,11 +21,14 @@ from pathlib import Path
 
 import torch
 
-from .._errors import QuantkitError
-from ..pipeline._inputs import call_model
-from ._ct_schemes import Float8Act, Float8Weight, GroupWeight, is_float8, layer_tensors
+from torch.fx import GraphModule, Node
 
-__all__ = ["dense_load", "kv_applied", "check_files", "check_dense", "stored_on_modules", "same", "compare",
+from .._errors import QuantkitError
+from .._graph import get_attr
+from ..pipeline._inputs import call_model
+from ._ct_schemes import UNKNOWN, Float8Act, Float8Weight, GroupWeight, is_float8, layer_tensors, register_reader
+
+__all__ = ["remainder_group", "dense_load", "kv_applied", "check_files", "check_dense", "stored_on_modules", "same", "compare",
            "sqnr_db", "ENGINES", "FLOAT_DTYPES", "float_dtype", "engine_refusal", "plan_kinds"]
 
 # what an export is written for: "vllm-cpu" (default) refuses the schemes vLLM's CPU build has no
@@ -45,6 +48,32 @@ _VLLM_CPU_LIMITS = {
 # not refused: w4a16 with float32 tensors. cpu_gemm_wna16 runs bf16 only (issue 30: vLLM run with
 # dtype="float32" fails), but vLLM's default dtype="auto" runs a float32 checkpoint in bf16 on CPU
 # (benchmarks/vllm_check.py)
+
+
+# --- remainder groups: neither compressed-tensors nor GGUF holds one ----------------------------
+
+def remainder_group(in_features: int, group_size: int) -> tuple[str, str]:
+    """``(what, hint)`` refusing a weight whose last group holds the remainder (576 features in groups of
+    128): compressed-tensors' ``group_size`` and GGUF's blocks of 32 both need groups that divide the
+    row. The hint names the largest group sizes below ``group_size`` that divide ``in_features``."""
+    k, g = int(in_features), int(group_size)
+    fits = [d for d in (256, 128, 64, 32, 16, 8) if d < g and k % d == 0][:3]
+    sizes = " or ".join(str(d) for d in fits) if fits else f"a divisor of {k}"
+    return (f"a remainder group ({k} input features in groups of {g} leave a last group of {k % g})",
+            f"its groups must divide the input features: quantize with a group size that divides {k}, e.g. {sizes}")
+
+
+@register_reader(torch.ops.quantkit.dequantize_group.default)
+def _read_remainder_group(gm: GraphModule, dq: Node) -> tuple[str, object]:
+    """The compressed-tensors / GGUF reader of ``quantkit::dequantize_group``: always a refusal."""
+    q = dq.args[0]
+    val = dq.meta.get("val")
+    if not isinstance(val, torch.Tensor) and isinstance(q, Node):
+        src = q.args[0] if q.target == torch.ops.quantkit.unpack_int4.default else q
+        const = get_attr(gm, src.target) if src.op == "get_attr" else None
+        val = None if const is None else const.new_empty(const.shape[0], const.shape[-1] * (2 if src is not q else 1))
+    k = int(val.shape[-1]) if isinstance(val, torch.Tensor) else 0
+    return UNKNOWN, remainder_group(k, int(dq.args[6]))
 
 
 def float_dtype(value) -> torch.dtype:

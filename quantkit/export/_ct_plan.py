@@ -460,6 +460,8 @@ class _Reader:
 
     def _nf4_float(self, dq: Node) -> torch.Tensor | None:
         """The float weight an NF4 ``dequantize`` of folded constants computes (kept float)."""
+        if dq.target != torch.ops.quantkit.dequantize_nf4.default:  # e.g. a refused remainder group
+            return None
         codes, table, scale = dq.args[:3]
         if not (isinstance(codes, Node) and codes.target == torch.ops.quantkit.unpack_int4.default
                 and all(isinstance(a, Node) and a.op == "get_attr" for a in (codes.args[0], table, scale))):

@@ -29,6 +29,7 @@ from .. import _hf
 from .._errors import QuantkitError
 from .._graph import QUANTIZE_OPS, FLOAT8_QUANTIZE_OPS, module_scopes
 from . import _ct_schemes as schemes
+from . import _ct_checks  # noqa: F401  (registers the reader refusing remainder groups)
 from ._ct_plan import recorded_modules
 from ._gguf_arch import arch_for, gguf_name, qk_rows, write_metadata, write_tokenizer
 from ._gguf_blocks import Blocks, fp16_error, kind_of, pack

@@ -1,5 +1,9 @@
 """Lowering of weight-only layers: ``linear(x, dequantize_per_channel_group(q_w))`` to weight-only GEMMs.
 
+A group size that does not divide K (``quantkit::dequantize_group``: a last group of the remainder,
+576 = 4 x 128 + 64) lowers too: quantkit's CPU kernel and the Triton kernel take ``[N, ceil(K / g)]``
+qparams as they are; aten's kernel gets them repeated onto the largest of its group sizes dividing both.
+
 CPU:
 
 * int4, ``N % 16 == 0``, group size a multiple of 8, on an AVX512-VNNI CPU → quantkit's own
@@ -18,7 +22,7 @@ to bf16 at the GEMM and its output cast back: W4A16 numerics, ~50 dB against the
 reference. Anything else (NF4, other group sizes or shapes, asymmetric int8) keeps its reference
 dequantize.
 
-CUDA: int4 and int8-in-[-8, 7] weights of any group size dividing K → ``quantkit.w4a16_linear``
+CUDA: int4 and int8-in-[-8, 7] weights of any group size → ``quantkit.w4a16_linear``
 (Triton, ``kernels/_w4a16.py``), weights stay packed.
 
 Which CPU int4 kernel ran, on how many layers and why is recorded in ``gm.meta["quantkit_kernels"]``
@@ -39,7 +43,7 @@ from torch.fx import GraphModule, Node
 from quantkit.kernels import _int4_cpu  # importing quantkit.kernels registers quantkit::w4a16_linear, int4_linear_cpu
 
 from .._graph import get_attr
-from .._qmath import pack_int4
+from .._qmath import expand_group_params, pack_int4
 from ._registry import LoweringContext, register_lowering
 from ._triton import _buffer as _new_attr  # a uniquely named buffer and its get_attr before a node
 
@@ -52,6 +56,9 @@ _COMPUTE_DTYPE = torch.bfloat16
 INT4_KERNELS = ("auto", "quantkit", "aten")  # CPU int4: ours where the CPU allows it, or aten's
 KERNELS_META_KEY = "quantkit_kernels"  # gm.meta: [{"op", "kernel", "layers", "reason"}] per kernel chosen
 _ATEN_INT4 = "aten._weight_int4pack_mm_for_cpu"
+# whole groups (torch's op) and a last group of the remainder (quantkit's, the same arguments)
+_GROUP_DEQUANTIZE = (torch.ops.quantized_decomposed.dequantize_per_channel_group.default,
+                     torch.ops.quantkit.dequantize_group.default)
 
 
 @dataclass
@@ -64,8 +71,8 @@ class WeightOnlyMatch:
     q: torch.Tensor          # [N, K] integers (unpacked), int8 or uint8
     packed: Optional[torch.Tensor]  # the stored packed int4 weight, when it is one
     signed: bool
-    scale: torch.Tensor      # [N, K // g] float32
-    zero_point: torch.Tensor  # [N, K // g]
+    scale: torch.Tensor      # [N, ceil(K / g)] float32 (a last group of the remainder when g does not divide K)
+    zero_point: torch.Tensor  # [N, ceil(K / g)]
     quant_min: int
     quant_max: int
     group_size: int
@@ -76,8 +83,7 @@ def match_weight_only(gm: GraphModule, node: Node) -> Optional[WeightOnlyMatch]:
     if node.op != "call_function" or node.target != aten.linear.default or len(node.args) < 2:
         return None
     dq = node.args[1]
-    if not (isinstance(dq, Node) and dq.target == torch.ops.quantized_decomposed.dequantize_per_channel_group.default
-            and len(dq.users) == 1):
+    if not (isinstance(dq, Node) and dq.target in _GROUP_DEQUANTIZE and len(dq.users) == 1):
         return None
     src, scale, zp, qmin, qmax, _dtype, group = dq.args[:7]
     if not all(isinstance(a, Node) and a.op == "get_attr" for a in (scale, zp)):
@@ -128,8 +134,9 @@ def _emit_gemm(gm: GraphModule, m: WeightOnlyMatch, op, args: tuple, n: int) -> 
 def _lower_cpu_quantkit(gm: GraphModule, m: WeightOnlyMatch) -> Optional[Node]:
     """``quantkit::int4_linear_cpu`` on the weight repacked for it, float32/bf16 activations as they are."""
     n, k = m.q.shape
-    if n % _int4_cpu.BLOCK_N or m.group_size % 8 or k % m.group_size or m.x.meta["val"].dtype not in (torch.float32,
-                                                                                             torch.bfloat16):
+    # k % 8 with group_size % 8: a remainder group is a whole number of the kernel's octets
+    if n % _int4_cpu.BLOCK_N or m.group_size % 8 or k % 8 or m.x.meta["val"].dtype not in (torch.float32,
+                                                                                  torch.bfloat16):
         return None
     packed, scale_zero = _int4_cpu.pack_int4_cpu(m.q, m.scale, m.zero_point, m.group_size, m.signed)
     graph = gm.graph
@@ -140,6 +147,21 @@ def _lower_cpu_quantkit(gm: GraphModule, m: WeightOnlyMatch) -> Optional[Node]:
         if m.bias is not None:
             y = graph.call_function(aten.add.Tensor, (y, m.bias))
     return y
+
+
+def _aten_groups(m: WeightOnlyMatch) -> tuple[Optional[int], torch.Tensor, torch.Tensor]:
+    """``(group size, scale, zero_point)`` for aten's int4 kernel, which needs whole groups of 32, 64,
+    128 or 256: the match's own, or for a remainder group (576 = 4 x 128 + 64) the largest of those
+    dividing both the group size and K, each qparam repeated over its sub-groups (exact). None when
+    there is none."""
+    k = int(m.q.shape[1])
+    if k % m.group_size == 0:
+        return (m.group_size if m.group_size in _CPU_GROUPS else None), m.scale, m.zero_point
+    fine = next((g for g in reversed(_CPU_GROUPS) if m.group_size % g == 0 and k % g == 0), None)
+    if fine is None:
+        return None, m.scale, m.zero_point
+    return (fine, expand_group_params(m.scale, k, m.group_size, fine),
+            expand_group_params(m.zero_point, k, m.group_size, fine))
 
 
 def _lower_cpu(gm: GraphModule, m: WeightOnlyMatch, int4_kernel: str = "auto",
@@ -156,26 +178,27 @@ def _lower_cpu(gm: GraphModule, m: WeightOnlyMatch, int4_kernel: str = "auto",
             if new is not None:
                 choose(_int4_cpu.KERNEL, ours.reason)
                 return new
-            why_aten = (f"{_int4_cpu.KERNEL} needs N % 16 == 0 and a group size that is a multiple of 8 dividing K, "
-                        f"and float32/bf16 activations; got N={n}, K={k}, group_size={m.group_size}")
+            why_aten = (f"{_int4_cpu.KERNEL} needs N % 16 == 0, K and the group size multiples of 8, and "
+                        f"float32/bf16 activations; got N={n}, K={k}, group_size={m.group_size}")
         elif int4_kernel == "quantkit":
             raise ValueError(f"int4_kernel='quantkit' cannot run here: {ours.reason}; use int4_kernel='auto' or "
                              "'aten'")
         else:
             why_aten = f"{_int4_cpu.KERNEL} cannot run here: {ours.reason}"
     if four_bit:
-        if m.group_size not in _CPU_GROUPS or n % 16 or k % m.group_size:
+        group, scale, zero_point = _aten_groups(m)
+        if group is None or n % 16:
             return None
         choose(_ATEN_INT4, why_aten)
         shift = 8 if m.signed else 0  # to the kernel's unsigned [0, 15]
         q_u4 = m.q.to(torch.int32) + shift
-        zp_u4 = m.zero_point.to(torch.float32) + shift
+        zp_u4 = zero_point.to(torch.float32) + shift
         packed = aten._convert_weight_to_int4pack_for_cpu(q_u4.contiguous(), 1)
-        zero = (8 - zp_u4) * m.scale
-        sz = torch.stack([m.scale.t(), zero.t()], dim=-1).to(_COMPUTE_DTYPE).contiguous()  # [K // g, N, 2]
+        zero = (8 - zp_u4) * scale
+        sz = torch.stack([scale.t(), zero.t()], dim=-1).to(_COMPUTE_DTYPE).contiguous()  # [K // g, N, 2]
         w = _new_attr(gm, "_qk_int4pack_", packed, m.linear)
         qsz = _new_attr(gm, "_qk_int4_scale_zero_", sz, m.linear)
-        return _emit_gemm(gm, m, aten._weight_int4pack_mm_for_cpu.default, (w, m.group_size, qsz), n)
+        return _emit_gemm(gm, m, aten._weight_int4pack_mm_for_cpu.default, (w, group, qsz), n)
     if m.group_size == k and m.signed and m.quant_min >= -128 and not bool(m.zero_point.any()):
         w = _new_attr(gm, "_qk_int8pack_", m.q.contiguous(), m.linear)
         s = _new_attr(gm, "_qk_int8pack_scale_", m.scale.reshape(n).to(_COMPUTE_DTYPE).contiguous(), m.linear)
@@ -184,7 +207,7 @@ def _lower_cpu(gm: GraphModule, m: WeightOnlyMatch, int4_kernel: str = "auto",
 
 
 def _lower_cuda(gm: GraphModule, m: WeightOnlyMatch) -> Optional[Node]:
-    if m.quant_max - m.quant_min != 15 or m.q.shape[1] % m.group_size:
+    if m.quant_max - m.quant_min != 15:  # any group size: the Triton kernel indexes groups by k // g
         return None
     packed = m.packed if m.packed is not None else pack_int4(m.q)
     graph = gm.graph
