@@ -71,6 +71,51 @@ def test_generate_with_stats_is_public_and_counts_tokens(llama, program):
     assert stats.prefill_s > 0 and stats.decode_s > 0 and stats.compile_s == 0.0
 
 
+def _full_prefill_greedy(program, ids, n):
+    """Greedy decoding with the program as captured: the prefill computes logits at every position."""
+    out, position = ids, ids.shape[1]
+    with torch.no_grad():
+        logits = program(ids, torch.arange(position))
+        assert logits.shape[1] == position
+        for _ in range(n):
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            out = torch.cat([out, token], dim=1)
+            logits = program(token, torch.tensor([position]))
+            position += 1
+    return out
+
+
+@pytest.mark.parametrize("scheme", [None, "w8a8"])
+def test_last_position_prefill(llama, program, scheme):
+    """The prefill's lm_head runs on the last position only (one slice inserted before it, after the
+    final norm and before its input's q/dq); greedy tokens equal a full-prefill loop on the program."""
+    from quantkit.generation._last_position import LAST_POSITION_META_KEY, last_position_program
+
+    if scheme is not None:
+        calib = [(_prompt(6, seed=s), torch.arange(6)) for s in (3, 4)]
+        program = quantkit.convert(quantkit.calibrate(quantkit.prepare(
+            program, quantkit.get_scheme(scheme).quantizer()), calib, progress=False))
+    slices = lambda gm: sum(n.target is torch.ops.aten.slice.Tensor for n in gm.graph.nodes)  # noqa: E731
+    last = last_position_program(program)
+    assert slices(last) == slices(program) + 1 and last.meta[LAST_POSITION_META_KEY]
+    assert last_position_program(last) is None  # not twice
+    linear = next(n for n in last.graph.nodes if n.op == "output").args[0][0]
+    assert linear.target is torch.ops.aten.linear.default
+    chain = linear.args[0]  # the lm_head's input: the slice itself, or its q/dq (W8A8) on the slice
+    while chain.target is not torch.ops.aten.slice.Tensor:
+        chain = chain.args[0]
+    assert len([n for n in last.graph.nodes if n.op == "call_function"]) == \
+        len([n for n in program.graph.nodes if n.op == "call_function"]) + 1
+    ids = _prompt(7, seed=5)
+    with torch.no_grad():
+        assert last(ids, torch.arange(7)).shape == (BATCH, 1, VOCAB)
+        assert program(ids, torch.arange(7)).shape == (BATCH, 7, VOCAB)  # the program is not changed
+    want = _full_prefill_greedy(program, ids, 8)
+    assert torch.equal(quantkit.generate(program, ids, max_new_tokens=8, compile=False), want)
+    if scheme is None:
+        assert torch.equal(want, _hf_greedy(llama, ids, 8))
+
+
 def test_compiled_once_no_recompiles(llama, program, monkeypatch):
     """compile=True compiles once per program: the dynamic prefill graph and the length-1 decode
     graph, then no recompile per token, for another prompt length, or on a second call.
@@ -100,7 +145,13 @@ def test_compiled_once_no_recompiles(llama, program, monkeypatch):
                 (quantkit.generate(program, ids, max_new_tokens=8), None)
             assert torch.equal(out, _hf_greedy(llama, ids, 8)), f"prompt of {length}"
             assert len(model_graphs) == 2, f"{len(model_graphs)} model graphs after a prompt of {length}"
-        assert calls == [program]  # compiled once, reused by the later calls
+        # compiled once, reused by the later calls: the program's last-position rewrite, on its own cache
+        from quantkit.generation._last_position import LAST_POSITION_META_KEY
+
+        assert len(calls) == 1 and calls[0].meta.get(LAST_POSITION_META_KEY), calls
+        own = dict(program.named_buffers())
+        shared = dict(calls[0].named_buffers())
+        assert [n for n in own if n.startswith("kv_cache")] and all(own[n] is t for n, t in shared.items())
     finally:
         clear_compiled()
         torch._dynamo.reset()

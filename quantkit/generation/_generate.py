@@ -5,7 +5,9 @@ The program follows the contract of ``quantkit.capture(model, example, max_cache
 ``cache_position`` into its cache buffers and attending to the slots at or before each position.
 So a generation is one prefill call over the whole prompt, then one call per new token; nothing
 is reset in between, because a new sequence starts again at position 0 and the causal mask hides
-the stale slots beyond the current position.
+the stale slots beyond the current position. Both calls go through
+``_last_position.last_position_program`` of the program where it applies: the lm_head computes the
+last position only (the prefill's other L - 1 rows of logits are never read).
 
 Compiling (``compile=True``) happens once per program, at the first call: a converted program
 goes through ``quantkit.compile`` (its int8/int4/FP8 kernels), a float one through
@@ -27,6 +29,7 @@ import torch
 
 from ..lowering._compile import compile as quantkit_compile
 from ..pipeline._kv_capture import KVCacheError, kv_cache_info
+from ._last_position import last_position_program
 from ._sampling import GenerationError, SamplingConfig, next_tokens
 
 __all__ = ["generate", "generate_with_stats", "GenerationStats", "clear_compiled", "program_cache_info"]
@@ -34,6 +37,8 @@ __all__ = ["generate", "generate_with_stats", "GenerationStats", "clear_compiled
 # compiled forms of the last programs generate() ran, by id (each entry holds its program, so an
 # id is never reused while its entry lives); two cover "float and quantized side by side"
 _COMPILED: OrderedDict[int, tuple[torch.nn.Module, torch.nn.Module]] = OrderedDict()
+# the same for compile=False: the last-position rewrite of each program (sharing its cache)
+_PLAIN: OrderedDict[int, tuple[torch.nn.Module, torch.nn.Module]] = OrderedDict()
 _KEEP_COMPILED = 2
 
 
@@ -80,8 +85,33 @@ def program_cache_info(program) -> dict | None:
 
 
 def clear_compiled() -> None:
-    """Drop the compiled programs generate() keeps (and the programs they hold)."""
+    """Drop the compiled (and rewritten) programs generate() keeps (and the programs they hold)."""
     _COMPILED.clear()
+    _PLAIN.clear()
+
+
+def _remember(cache: OrderedDict, program, made) -> None:
+    cache[id(program)] = (program, made)
+    while len(cache) > _KEEP_COMPILED:
+        cache.popitem(last=False)
+
+
+def _recalled(cache: OrderedDict, program):
+    hit = cache.get(id(program))
+    if hit is not None and hit[0] is program:
+        cache.move_to_end(id(program))
+        return hit[1]
+    return None
+
+
+def _uncompiled(program):
+    """``program`` with last-position logits (:func:`last_position_program`, kept for later calls),
+    or ``program`` itself where the rewrite does not apply."""
+    run = _recalled(_PLAIN, program)
+    if run is None:
+        run = last_position_program(program) or program
+        _remember(_PLAIN, program, run)
+    return run
 
 
 def _is_hf_model(program) -> bool:
@@ -94,18 +124,16 @@ def _compiled(program: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
     """``program`` compiled (once; later calls reuse it) and whether it was compiled now."""
     if hasattr(program, "_orig_mod"):  # compiled already (torch.compile or quantkit.compile)
         return program, False
-    hit = _COMPILED.get(id(program))
-    if hit is not None and hit[0] is program:
-        _COMPILED.move_to_end(id(program))
-        return hit[1], False
+    fast = _recalled(_COMPILED, program)
+    if fast is not None:
+        return fast, False
+    last = last_position_program(program) or program  # prefill and decode: one graph, one cache
     meta = getattr(program, "meta", None)
     if isinstance(meta, dict) and meta.get("quantkit_converted"):
-        fast = quantkit_compile(program)  # int8/int4/FP8 kernels; works on a copy (its own cache buffers)
+        fast = quantkit_compile(last)  # int8/int4/FP8 kernels; works on a copy (its own cache buffers)
     else:
-        fast = torch.compile(program)
-    _COMPILED[id(program)] = (program, fast)
-    while len(_COMPILED) > _KEEP_COMPILED:
-        _COMPILED.popitem(last=False)
+        fast = torch.compile(last)
+    _remember(_COMPILED, program, fast)
     return fast, True
 
 
@@ -179,7 +207,9 @@ def generate(program, input_ids: torch.Tensor, max_new_tokens: int = 32, *, do_s
             (:class:`~quantkit.generation.SamplingConfig`), computed in float32 outside the program.
         eos_token_id: a token id or a list of them that ends a row; None: always ``max_new_tokens``.
         compile: compile the program once (``quantkit.compile`` for a converted program,
-            ``torch.compile`` otherwise) and reuse it in later calls; False runs it as it is.
+            ``torch.compile`` otherwise) and reuse it in later calls; False runs its q/dq (or
+            float) graph as it is. Either way the lm_head computes the last position only
+            (``last_position_program``), where the program's graph has one lm_head output.
         generator: the ``torch.Generator`` sampling draws from (reproducible runs).
         streamer: an object with ``put(tokens)`` and ``end()`` (transformers' ``TextStreamer``
             works): ``put`` gets the prompt ``[batch, length]`` first, then each new token ``[batch]``.
@@ -221,7 +251,7 @@ def generate_with_stats(program, input_ids: torch.Tensor, max_new_tokens: int = 
     ids = input_ids.to(torch.long).contiguous()  # Dynamo guards on strides: a sliced prompt would recompile
     if max_new_tokens == 0:
         return ids.clone(), GenerationStats(batch, length, 0, 0.0, 0.0)
-    run, fresh = _compiled(program) if compile else (program, False)
+    run, fresh = _compiled(program) if compile else (_uncompiled(program), False)
     compile_s = 0.0
     with torch.no_grad():
         if warmup and fresh:
