@@ -33,7 +33,7 @@ def _mock(scores: dict, latencies: dict, kinds: dict):
 
 def test_search_stops_at_the_first_recipe_meeting_the_target():
     scores = {"static": 0.990, "static-smoothquant": 0.9993, "histogram": 0.9999, "per-token": 0.9999,
-              "per-token-smoothquant": 0.9999, "gptq": 0.9999, "fallback": 0.9999}
+              "per-token-smoothquant": 0.9999, "per-token-fallback": 0.9999, "gptq": 0.9999, "fallback": 0.9999}
     latencies = {name: 10.0 for name in scores}
     built, evaluate, latency, bound = _mock(scores, latencies, {"static": 10.0, "per-token": 40.0})
     model, trials, best, reason = at.search(list(R.values()), evaluate, 0.999, latency=latency, lower_bound=bound)
@@ -48,14 +48,14 @@ def test_search_stops_at_the_first_recipe_meeting_the_target():
 
 def test_search_order_is_measured_and_a_later_recipe_is_tried_only_when_faster():
     scores = {"static": 0.990, "static-smoothquant": 0.995, "histogram": 0.996, "per-token": 0.9992,
-              "per-token-smoothquant": 0.9995, "gptq": 0.997, "fallback": 0.9991}
+              "per-token-smoothquant": 0.9995, "per-token-fallback": 0.9996, "gptq": 0.997, "fallback": 0.9991}
     # CPU-like: per-token has no int8 kernel (measured 50 ms against static's 10): every static
     # recipe, the fallback included, comes first; the fallback meets, per-token is never built
-    latencies = {"per-token": 50.0, "per-token-smoothquant": 50.0, "fallback": 14.0}
+    latencies = {"per-token": 50.0, "per-token-smoothquant": 50.0, "per-token-fallback": 55.0, "fallback": 14.0}
     built, evaluate, latency, bound = _mock(scores, latencies, {"static": 10.0, "per-token": 50.0})
     _, trials, best, reason = at.search(list(R.values()), evaluate, 0.999, latency=latency, lower_bound=bound)
     assert built[-1] == "fallback" and not any(b.startswith("per-token") for b in built)
-    assert [t.recipe for t in trials][-2:] == ["per-token", "per-token-smoothquant"]
+    assert [t.recipe for t in trials][-3:] == ["per-token", "per-token-smoothquant", "per-token-fallback"]
     assert trials[best].recipe == "fallback" and trials[best].latency_ms == 14.0
     # the fallback met but kept many layers float (20 ms): per-token's lowering (12 ms) could
     # beat it, so it is built, meets, and wins; per-token-smoothquant (same 12 ms bound) cannot
@@ -320,3 +320,30 @@ def test_the_cli_fallback_artifact_is_the_bf16_variant_it_scored():
     with torch.no_grad():
         assert torch.equal(q(x), variants.variant(keep)(x))
     assert base.finish(q, module_names) == {}  # fp32 (the default): nothing to do
+
+
+def test_a_fallback_keeps_the_most_accurate_base_of_its_own_lowering():
+    trials = [at.Trial("static", "below target", 0.990), at.Trial("histogram", "below target", 0.996),
+              at.Trial("per-token", "below target", 0.9985), at.Trial("per-token-smoothquant", "below target", 0.9988),
+              at.Trial("gptq", "skipped: cannot meet the target (...)")]
+    assert at.best_base(trials, R["per-token-fallback"]).name == "per-token-smoothquant"
+    assert at.best_base(trials, R["fallback"]).name == "histogram"  # the per-token ones are not static
+    assert at.best_base([], R["per-token-fallback"]).name == "per-token"
+    assert at.best_base(trials[2:], R["fallback"]).name == "static"
+    assert R["per-token-fallback"].lowering == "per-token" and R["fallback"].lowering == "static"
+
+
+def test_cli_per_token_fallback_keeps_per_token_layers_and_float_ones(mlp_files, tmp_path):
+    out = tmp_path / "ptf"
+    # per-token alone scores 0.99996 on this MLP (measured): the target needs some layers float, not all
+    assert main(_args(mlp_files, out, "--recipe", "per-token-fallback", "--target", "0.99996")) == 0
+    rep, doc = _report(out)
+    trial = next(t for t in rep["autotune"]["trials"] if t["recipe"] == "per-token-fallback")
+    assert trial["details"]["base"] == "per-token" and 0 < len(trial["details"]["float_layers"]) < 3
+    assert trial["score"] >= 0.99996
+    assert doc["recipe"]["granularity"] == "per-token" and doc["recipe"]["skip"]
+    graph = quantkit.load(out).graph
+    per_token = [n for n in graph.nodes if n.target == torch.ops.quantized_decomposed.choose_qparams_per_token.default]
+    linears = [n for n in graph.nodes if n.target == torch.ops.aten.linear.default]
+    # some linears per token, the kept ones float
+    assert len(per_token) == len(linears) - len(trial["details"]["float_layers"]) > 0

@@ -57,7 +57,9 @@ def test_fp8_gptq_per_head_kv_recipe_and_inspect(mlp_inputs, tmp_path, capsys):
 @pytest.mark.parametrize("extra,message", [
     (["--kv-granularity", "per-head"], "--kv-granularity applies to the FP8 schemes' --kv-cache"),
     (["--scheme", "fp8", "--kv-granularity", "per-head"], "--kv-granularity needs --kv-cache FORMAT"),
-    (["--kv-cache", "int8"], "--kv-cache applies to the FP8 schemes"),
+    # other schemes store a cache only on a generating artifact (issue 29)
+    (["--kv-cache", "int8"], "--kv-cache with --scheme w8a8 stores the KV cache of a generating artifact: "
+                                 "add --max-cache-len N"),
     (["--scheme", "fp8", "--dynamic"], "--dynamic has no effect with --scheme fp8"),
     (["--scheme", "fp8-dynamic", "--observer", "mse"], "--observer has no effect with --scheme fp8-dynamic"),
     (["--scheme", "fp8", "--observer", "kl"], "cannot search an FP8 range"),

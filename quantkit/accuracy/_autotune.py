@@ -30,7 +30,7 @@ from ._metrics import Evaluator, reiterable
 
 __all__ = ["AutoRecipe", "RECIPES", "Trial", "AutotuneReport", "autotune", "search", "recipe_names",
            "fallback_search", "DEFAULT_TARGETS", "fastest", "mark_pareto", "model_bytes", "speed_verdict",
-           "float_baseline", "FALLBACK_WEIGHTS", "fallback_with_weights"]
+           "float_baseline", "FALLBACK_WEIGHTS", "fallback_with_weights", "best_base"]
 
 # default targets per metric (issue 17): embeddings / regression outputs held-out mean cosine
 # >= 0.999; classifiers top-1 agreement >= 99%
@@ -94,6 +94,8 @@ _ALL = (
     AutoRecipe("per-token", "dynamic per-token activations", _PER_TOKEN),
     AutoRecipe("per-token-smoothquant", "SmoothQuant (alpha auto), then dynamic per-token", _PER_TOKEN,
                smoothquant="auto"),
+    AutoRecipe("per-token-fallback", "the most accurate per-token recipe with its most sensitive layers float",
+               _PER_TOKEN, fallback=True),
     AutoRecipe("gptq", "static per-tensor activations, GPTQ-rounded weights",
                dataclasses.replace(_STATIC, weight_algorithm="gptq")),
     AutoRecipe("fallback", "the most accurate static recipe with its most sensitive layers float", _STATIC,
@@ -455,13 +457,19 @@ def fallback_with_weights(variants_for: Callable[[str], Any], evaluator, target:
     return q, keep, score, weights, variants
 
 
-def _best_static(trials: list[Trial]) -> AutoRecipe:
-    """The most accurate static recipe tried so far (the base a fallback keeps fast)."""
-    static = [t for t in trials if t.score is not None and t.recipe in RECIPES
-              and RECIPES[t.recipe].lowering == "static" and not RECIPES[t.recipe].fallback]
-    if not static:
-        return RECIPES["static"]
-    return RECIPES[max(static, key=lambda t: t.score).recipe]
+# the base of a fallback recipe when none of its kind of lowering was scored
+_DEFAULT_BASE = {"static": "static", "per-token": "per-token"}
+
+
+def best_base(trials: list[Trial], fallback: AutoRecipe) -> AutoRecipe:
+    """The base a fallback recipe keeps fast: the most accurate recipe of its kind of lowering
+    (``fallback.lowering``, static or per-token) scored so far, not itself a fallback; the
+    plain recipe of that kind when none was (ties: the first scored)."""
+    same = [t for t in trials if t.score is not None and t.recipe in RECIPES
+            and RECIPES[t.recipe].lowering == fallback.lowering and not RECIPES[t.recipe].fallback]
+    if not same:
+        return RECIPES[_DEFAULT_BASE[fallback.lowering]]
+    return RECIPES[max(same, key=lambda t: t.score).recipe]
 
 
 def _split(calib: list, eval_data) -> tuple[list, list, str]:
@@ -480,7 +488,8 @@ def autotune(model: torch.nn.Module, example_inputs: Any, calib: Iterable, eval_
 
     Tries :data:`RECIPES` from the fastest expected to the most accurate -- static per-tensor,
     static + SmoothQuant, histogram observers, per-token dynamic, SmoothQuant-auto + per-token,
-    (GPTQ weights where available), float fallback of the most sensitive layers -- and stops at
+    float fallback of the most sensitive layers on the best per-token recipe, (GPTQ weights where
+    available), float fallback on the best static recipe -- and stops at
     the first whose held-out score meets ``target``; a later recipe is still tried when the
     measured latency of its kind of lowering could beat the winner's (see :func:`search`).
 
@@ -537,7 +546,7 @@ def autotune(model: torch.nn.Module, example_inputs: Any, calib: Iterable, eval_
 
     def evaluate(r: AutoRecipe, trials):
         if r.fallback:
-            base = _best_static(trials)
+            base = best_base(trials, r)
             prepared: dict = {}
 
             def variants_for(weights):
@@ -599,7 +608,7 @@ def _quick(r: AutoRecipe, gm, example_inputs, calib):
     from quantkit.pipeline._api import quantize
     from quantkit.quantizers import W8A8Quantizer
 
-    base = RECIPES["static"] if r.fallback else r
+    base = best_base([], r) if r.fallback else r
     return quantize(gm, example_inputs, calib[:1], W8A8Quantizer(QuantConfig(dynamic=base.dynamic,
                                                                              granularity=base.granularity)),
                     progress=False)

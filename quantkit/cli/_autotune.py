@@ -16,7 +16,7 @@ __all__ = ["add_arguments", "requested", "choose", "exit_code", "summary_line"]
 
 RECIPE_HELP = ("auto (default when no other recipe flag is given): the fastest recipe that meets --target on the "
                "held-out split, measured; or force one: static, static-smoothquant, histogram, per-token, "
-               "per-token-smoothquant, fallback (gptq where available)")
+               "per-token-smoothquant, per-token-fallback, fallback (gptq where available)")
 # flags that spell out a recipe by hand: with them, no search runs (and --recipe conflicts)
 _MANUAL = (("scheme", "--scheme"), ("activation", "--activation"), ("dynamic", "--dynamic"),
            ("granularity", "--granularity"), ("observer", "--observer"), ("smoothquant", "--smoothquant"),
@@ -56,8 +56,9 @@ def requested(args) -> list | None:
         return list(RECIPES.values())
     if name not in RECIPES:
         raise inputs.UsageError(f"unknown --recipe {name!r}; use auto or one of {', '.join(RECIPES)}")
-    if getattr(args, "target", None) is not None and name != "fallback":
-        raise inputs.UsageError(f"--target applies to --recipe auto (or fallback), not to --recipe {name}; drop it")
+    if getattr(args, "target", None) is not None and not name.endswith("fallback"):
+        raise inputs.UsageError(f"--target applies to --recipe auto (or a fallback), not to --recipe {name}; "
+                                "drop it")
     return [RECIPES[name]]
 
 
@@ -186,7 +187,7 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
 
     def evaluate(auto, trials):
         if auto.fallback:
-            b = at._best_static(trials)
+            b = at.best_base(trials, auto)
             cli = _as_cli(b, base)
             # the base recipe's calibrated model, when it was scored: no second calibration
             # the float layers keep int8 weights (per channel, read unrounded inputs: a quarter of
@@ -219,7 +220,7 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
 
     def _quick(auto):
         """A model of ``auto``'s kind of lowering, as quantize builds it, calibrated on one batch: for timing."""
-        cli = _as_cli(at.RECIPES["static"] if auto.fallback else auto, base)
+        cli = _as_cli(at.best_base([], auto) if auto.fallback else auto, base)
         prepared = quantkit.prepare(gm, cli.quantizer(module_names))
         quantkit.calibrate(prepared, calib[:1], progress=False)
         return quantkit.convert(prepared)

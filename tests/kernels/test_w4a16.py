@@ -16,9 +16,10 @@ TOL = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2, torch.float32: 1.5e-2}
 def _case(m, n, k, g, signed, bias, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
-    scale = torch.rand(n, k // g, generator=gen) * 0.02 + 0.005
+    groups = -(-k // g)  # a last group of the remainder when g does not divide k
+    scale = torch.rand(n, groups, generator=gen) * 0.02 + 0.005
     lo, hi = (-8, 7) if signed else (0, 15)
-    zp = torch.randint(lo, hi + 1, (n, k // g), generator=gen, dtype=torch.int32).to(torch.int8)
+    zp = torch.randint(lo, hi + 1, (n, groups), generator=gen, dtype=torch.int32).to(torch.int8)
     if signed:
         zp.zero_()
     x = torch.randn(m, k, generator=gen).to(dtype)
@@ -28,7 +29,8 @@ def _case(m, n, k, g, signed, bias, dtype, seed=0):
     q = np.stack([p & 15, p >> 4], -1).reshape(n, k)
     if signed:
         q = np.where(q >= 8, q - 16, q)
-    w = (q - np.repeat(zp.numpy().astype(np.int64), g, axis=1)) * np.repeat(scale.double().numpy(), g, axis=1)
+    zp_e = np.repeat(zp.numpy().astype(np.int64), g, axis=1)[:, :k]
+    w = (q - zp_e) * np.repeat(scale.double().numpy(), g, axis=1)[:, :k]
     ref = x.double() @ torch.from_numpy(w).T
     if b is not None:
         ref = ref + b.double()
@@ -39,7 +41,8 @@ def _rel(y, ref):
     return float((y.double() - ref).norm() / ref.norm())
 
 
-@pytest.mark.parametrize("m,n,k,g", [(1, 32, 64, 32), (5, 24, 128, 64), (17, 40, 96, 32), (3, 16, 256, 128)])
+@pytest.mark.parametrize("m,n,k,g", [(1, 32, 64, 32), (5, 24, 128, 64), (17, 40, 96, 32), (3, 16, 256, 128),
+                                     (5, 24, 128, 48), (3, 16, 96, 64)])  # the last two: a remainder group
 @pytest.mark.parametrize("signed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_triton_kernel_against_float64(m, n, k, g, signed, dtype):
@@ -62,8 +65,10 @@ def test_op_cpu_and_fake():
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(group_size=48), "group_size 48 must be >= 2 and divide the 128 input features"),
+    (dict(group_size=1), "group_size must be >= 2, got 1"),
     (dict(scale=torch.ones(32, 3)), r"scale and zero_point must be \(32, 2\)"),
+    # 128 = 2 x 48 + 32: three groups, the last of the remainder
+    (dict(group_size=48), r"scale and zero_point must be \(32, 3\) \(one per group\), got \(32, 2\)"),
     (dict(x=torch.randn(2, 100)), "x has 100 features but w_packed holds 128 per row"),
 ])
 def test_bad_arguments(change, message):
