@@ -279,7 +279,7 @@ def test_compiled_auto_exact_with_full_range_weights_on_vnni():
 def test_auto_declines_without_vnni_and_says_why(monkeypatch):
     c, _ = _linear()
     monkeypatch.setattr(_onednn, "exact_on_this_cpu", lambda: False)
-    line = ("no VNNI/AMX on this CPU: int8 GEMMs of per-token int8 activations would saturate; "
+    line = ("no VNNI/AMX on this CPU: int8 GEMMs of per-token int8 activations and 8-bit weights would saturate; "
             "running the reference q/dq graph")
     assert not _onednn.exact_for_graph(c) and _onednn.why_reference(c) == line
     fast = quantkit.compile(c)  # torch.compile is lazy: nothing is compiled until the first call

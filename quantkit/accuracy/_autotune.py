@@ -30,7 +30,8 @@ from ._metrics import Evaluator, reiterable
 
 __all__ = ["AutoRecipe", "RECIPES", "Trial", "AutotuneReport", "autotune", "search", "recipe_names",
            "fallback_search", "DEFAULT_TARGETS", "fastest", "mark_pareto", "model_bytes", "speed_verdict",
-           "float_baseline", "FALLBACK_WEIGHTS", "fallback_with_weights", "best_base"]
+           "float_baseline", "FALLBACK_WEIGHTS", "fallback_with_weights", "best_base", "auto_recipes",
+           "fallback_weights"]
 
 # default targets per metric (issue 17): embeddings / regression outputs held-out mean cosine
 # >= 0.999; classifiers top-1 agreement >= 99%
@@ -50,6 +51,9 @@ class AutoRecipe:
     scheme: QuantConfig = field(default_factory=lambda: get_scheme("w8a8"))
     smoothquant: float | str | None = None
     fallback: bool = False
+    # offered by the auto search only where oneDNN's int8 GEMMs saturate 8-bit data (no VNNI/AMX: an
+    # AVX2-only CPU); its 7-bit weights are what makes them exact there (lowering/_onednn.exact_for_graph)
+    only_without_vnni: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.scheme, QuantConfig):
@@ -73,12 +77,16 @@ class AutoRecipe:
         return self.scheme.weight_algorithm
 
     @property
+    def weight_bits(self) -> int:
+        return self.scheme.weight_bits
+
+    @property
     def lowering(self) -> str:
         """The kind of compiled graph the recipe gives: recipes of one kind lower to the same
         kernels (a fallback recipe is static with some layers float: static is its lower bound)."""
-        if self.dynamic:
-            return "per-token" if self.granularity == "per-token" else "dynamic"
-        return "static"
+        kind = ("per-token" if self.granularity == "per-token" else "dynamic") if self.dynamic else "static"
+        # narrower weights lower to other kernels on CPUs without VNNI (oneDNN's, instead of the reference)
+        return kind if self.weight_bits == 8 else f"{kind}-w{self.weight_bits}"
 
     def config(self, ops=None) -> QuantConfig:
         """The scheme, restricted to the op families ``ops`` when given."""
@@ -86,6 +94,8 @@ class AutoRecipe:
 
 
 _STATIC, _PER_TOKEN = get_scheme("w8a8"), get_scheme("w8a8-per-token")
+# 7-bit weights (-64..63): on AVX2 oneDNN's u8 x s8 pair sums then fit int16 with 8-bit activations
+_STATIC_W7, _PER_TOKEN_W7 = dataclasses.replace(_STATIC, weight_bits=7), dataclasses.replace(_PER_TOKEN, weight_bits=7)
 _ALL = (
     AutoRecipe("static", "static per-tensor activations, min-max ranges", _STATIC),
     AutoRecipe("static-smoothquant", "SmoothQuant (alpha 0.5), then static per-tensor", _STATIC, smoothquant=0.5),
@@ -100,6 +110,18 @@ _ALL = (
                dataclasses.replace(_STATIC, weight_algorithm="gptq")),
     AutoRecipe("fallback", "the most accurate static recipe with its most sensitive layers float", _STATIC,
                fallback=True),
+    # CPUs without VNNI/AMX (AVX2): the 8-bit recipes above run their reference graphs there (fp32
+    # GEMMs), these run oneDNN's int8 GEMM exactly (MiniLM on a Zen 3: per-token 1.48x fp32 compiled)
+    AutoRecipe("histogram-w7", "static per-tensor activations, histogram ranges, 7-bit weights",
+               dataclasses.replace(_STATIC_W7, act_observer="histogram"), only_without_vnni=True),
+    AutoRecipe("per-token-w7", "dynamic per-token activations, 7-bit weights", _PER_TOKEN_W7,
+               only_without_vnni=True),
+    AutoRecipe("per-token-smoothquant-w7", "SmoothQuant (alpha auto), then dynamic per-token, 7-bit weights",
+               _PER_TOKEN_W7, smoothquant="auto", only_without_vnni=True),
+    AutoRecipe("per-token-fallback-w7", "the most accurate 7-bit-weight per-token recipe with its most sensitive "
+               "layers float", _PER_TOKEN_W7, fallback=True, only_without_vnni=True),
+    AutoRecipe("fallback-w7", "the most accurate 7-bit-weight static recipe with its most sensitive layers float",
+               _STATIC_W7, fallback=True, only_without_vnni=True),
 )
 
 
@@ -119,6 +141,15 @@ RECIPES: dict[str, AutoRecipe] = {r.name: r for r in _ALL if _supported(r)}
 def recipe_names() -> list[str]:
     """The recipe names, fastest expected first."""
     return list(RECIPES)
+
+
+def auto_recipes() -> list[AutoRecipe]:
+    """The recipes ``auto`` tries on this CPU: every recipe, less the ``only_without_vnni`` ones where
+    oneDNN accumulates 8-bit data exactly (VNNI/AMX: there they are only less accurate, never faster)."""
+    from ..lowering._onednn import exact_on_this_cpu
+
+    exact = exact_on_this_cpu()
+    return [r for r in RECIPES.values() if not (r.only_without_vnni and exact)]
 
 
 @dataclass
@@ -440,16 +471,28 @@ def fallback_search(variants, evaluator, budget: float, *, rank_evaluator=None, 
 FALLBACK_WEIGHTS = ("int8", "bf16")
 
 
-def fallback_with_weights(variants_for: Callable[[str], Any], evaluator, target: float, **kw):
-    """:func:`fallback_search` for each of :data:`FALLBACK_WEIGHTS` in turn (``variants_for(weights)``
-    gives the :class:`~quantkit.pipeline._variants.Variants` storing the float layers' weights so),
-    stopping at the first that meets ``target``. Returns ``(model, keep, score, weights, variants)``."""
-    for weights in FALLBACK_WEIGHTS:
+def fallback_weights(base: AutoRecipe) -> tuple[str, ...]:
+    """The float-layer weights a fallback on ``base`` tries: :data:`FALLBACK_WEIGHTS`, or bf16 alone on a
+    SmoothQuant base. SmoothQuant scales each weight's input columns by the migrated activation range,
+    so one int8 scale per output channel of ``W diag(s)`` rounds its small columns away: measured on
+    MiniLM (per-token-fallback-w7, 14 float layers), int8 weights gave a layer of 3.7 dB and 0.99901
+    mean cosine where fp32 weights on the same layers give 0.99950 and no layer under 15 dB."""
+    return FALLBACK_WEIGHTS if base.smoothquant is None else ("bf16",)
+
+
+def fallback_with_weights(variants_for: Callable[[str], Any], evaluator, target: float, *,
+                          weights: Sequence[str] = FALLBACK_WEIGHTS, **kw):
+    """:func:`fallback_search` for each of ``weights`` (default :data:`FALLBACK_WEIGHTS`) in turn
+    (``variants_for(w)`` gives the :class:`~quantkit.pipeline._variants.Variants` storing the float
+    layers' weights so), stopping at the first that meets ``target``. Returns ``(model, keep, score,
+    weights, variants)``."""
+    choices = tuple(weights)
+    for weights in choices:
         variants = variants_for(weights)
         try:
             q, keep, score = fallback_search(variants, evaluator, evaluator.reference - target, **kw)
         except ValueError:  # even every layer float falls short with these weights
-            if weights == FALLBACK_WEIGHTS[-1]:
+            if weights == choices[-1]:
                 raise
             continue
         if score >= target:
@@ -458,7 +501,7 @@ def fallback_with_weights(variants_for: Callable[[str], Any], evaluator, target:
 
 
 # the base of a fallback recipe when none of its kind of lowering was scored
-_DEFAULT_BASE = {"static": "static", "per-token": "per-token"}
+_DEFAULT_BASE = {"static": "static", "per-token": "per-token", "static-w7": "histogram-w7", "per-token-w7": "per-token-w7"}
 
 
 def best_base(trials: list[Trial], fallback: AutoRecipe) -> AutoRecipe:
@@ -555,7 +598,8 @@ def autotune(model: torch.nn.Module, example_inputs: Any, calib: Iterable, eval_
                 prepared.setdefault("p", v.prepared)
                 return v
 
-            q, keep, score, weights, variants = fallback_with_weights(variants_for, evaluator, target)
+            q, keep, score, weights, variants = fallback_with_weights(variants_for, evaluator, target,
+                                                                      weights=fallback_weights(base))
             labels = {layer.name: layer.label for layer in variants.layers}
             return q, score, {"base": base.name, "float_weights": weights,
                               "float_layers": [labels[n] for n in keep]}
@@ -610,13 +654,14 @@ def _quick(r: AutoRecipe, gm, example_inputs, calib):
 
     base = best_base([], r) if r.fallback else r
     return quantize(gm, example_inputs, calib[:1], W8A8Quantizer(QuantConfig(dynamic=base.dynamic,
-                                                                             granularity=base.granularity)),
+                                                                             granularity=base.granularity,
+                                                                             weight_bits=base.weight_bits)),
                     progress=False)
 
 
 def _pick(names: Sequence[str] | None) -> list[AutoRecipe]:
     if names is None:
-        return list(RECIPES.values())
+        return auto_recipes()
     if isinstance(names, str):
         names = [names]
     unknown = [n for n in names if n not in RECIPES]

@@ -7,9 +7,8 @@ graph's GEMMs (linear ``M x K x N``, float matmuls, SDPA), decides how each one 
 ``quantkit.compile`` here -- the same rules compile uses:
 
 - oneDNN int8 (``onednn.qlinear_pointwise``) for a static per-tensor linear when compile picks
-  oneDNN (``lowering/_onednn.exact_for_graph``: VNNI/AMX, or 7-bit activations), and for a
-  per-token / dynamic one where oneDNN is exact on this CPU (``exact_on_this_cpu``: the per-token
-  lowering runs there only);
+  oneDNN (``lowering/_onednn.exact_for_graph``: VNNI/AMX, or 7-bit activations or weights), and for a
+  per-token / dynamic one under the same condition (the per-token lowering runs there only);
 - else the reference graph: a float GEMM plus the quantize/dequantize arithmetic around it (and the
   int8 weight's dequantize, each call: the reference graph is compiled without freezing);
 - ``quantkit::int8_sdpa_cpu`` for an SDPA on static int8 q, k, v (``lowering/_qsdpa.py``);
@@ -124,8 +123,9 @@ def cpu_support_line() -> str | None:
         return None
     missing = []
     if not vnni:
-        missing.append("no VNNI/AMX: oneDNN int8 GEMMs would saturate their int16 sums with 8-bit activations, "
-                       "so int8 layers run the reference q/dq graph (fp32 GEMMs)")
+        missing.append("no VNNI/AMX: oneDNN int8 GEMMs would saturate their int16 sums with 8-bit weights, "
+                       "so 8-bit int8 layers run the reference q/dq graph (fp32 GEMMs); the -w7 recipes' "
+                       "7-bit weights run oneDNN exactly")
     if not bf16:
         missing.append("no native BF16 (AVX-512 BF16/AMX): float layers and attention stay fp32")
     return "this CPU gets no fast int8/bf16 paths: " + "; ".join(missing)
@@ -219,7 +219,9 @@ def plan(gm: GraphModule, inputs: Any, *, cpu_kernels: str = "auto", float_dtype
         target = "onednn" if onednn else "reference"
         dtype = resolve_float_dtype(float_dtype, onednn=onednn, graph=gm)
     fsize = 2 if dtype == torch.bfloat16 else 4
-    dyn_int8 = target == "onednn" and (exact_on_this_cpu() or cpu_kernels == "onednn")
+    # per-token / dynamic int8 GEMMs run oneDNN wherever the static ones do (exact_for_graph: VNNI/AMX,
+    # or 7-bit weights on AVX2), or where cpu_kernels="onednn" forces it
+    dyn_int8 = target == "onednn"
 
     def shape(a) -> tuple[int, ...] | None:
         if isinstance(a, Node) and a.name in shapes:

@@ -51,7 +51,7 @@ import torch
 from torch.fx import GraphModule
 
 from ..lowering._bf16 import bf16_supported
-from ..lowering._onednn import exact_on_this_cpu
+from ..lowering._onednn import exact_for_graph, exact_on_this_cpu
 from ..pipeline._distributed import launched_world, rank0_value
 from ..pipeline._inputs import call_model
 from . import _costmodel
@@ -347,7 +347,9 @@ class Meter:
     def plan(self, gm: GraphModule, **kw) -> _costmodel.Plan:
         """How ``gm`` runs after ``quantkit.compile`` here (see :func:`._costmodel.plan`), memoised by
         graph structure and options."""
-        key = structure_key(gm) + repr(sorted(kw.items()))
+        # exactness too: graphs of one structure lower differently when only their integer ranges differ
+        # (7-bit weights or activations run oneDNN on CPUs without VNNI, 8-bit ones the reference graph)
+        key = structure_key(gm) + str(exact_for_graph(gm)) + repr(sorted(kw.items()))
         if key not in self._plans:
             self._plans[key] = _costmodel.plan(gm, self.inputs, **kw)
         return self._plans[key]

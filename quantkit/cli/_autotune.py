@@ -16,10 +16,12 @@ __all__ = ["add_arguments", "requested", "choose", "exit_code", "summary_line"]
 
 RECIPE_HELP = ("auto (default when no other recipe flag is given): the fastest recipe that meets --target on the "
                "held-out split, measured; or force one: static, static-smoothquant, histogram, per-token, "
-               "per-token-smoothquant, per-token-fallback, fallback (gptq where available)")
+               "per-token-smoothquant, per-token-fallback, fallback (gptq where available); on CPUs without VNNI, auto "
+               "also tries their 7-bit-weight variants: histogram-w7, per-token-w7, per-token-smoothquant-w7, "
+               "per-token-fallback-w7, fallback-w7")
 # flags that spell out a recipe by hand: with them, no search runs (and --recipe conflicts)
 _MANUAL = (("scheme", "--scheme"), ("activation", "--activation"), ("dynamic", "--dynamic"),
-           ("granularity", "--granularity"), ("observer", "--observer"), ("smoothquant", "--smoothquant"),
+           ("granularity", "--granularity"), ("observer", "--observer"), ("weight_bits", "--weight-bits"), ("smoothquant", "--smoothquant"),
            ("accuracy_budget", "--accuracy-budget"))
 
 
@@ -53,7 +55,9 @@ def requested(args) -> list | None:
 
     name = (name or "auto").strip().lower()
     if name == "auto":
-        return list(RECIPES.values())
+        from quantkit.accuracy._autotune import auto_recipes
+
+        return auto_recipes()
     if name not in RECIPES:
         raise inputs.UsageError(f"unknown --recipe {name!r}; use auto or one of {', '.join(RECIPES)}")
     if getattr(args, "target", None) is not None and not name.endswith("fallback"):
@@ -113,7 +117,7 @@ def _as_cli(auto, base, skip=(), float_weights=None):
                                float_weights=float_weights or base.float_weights,
                                observer="minmax" if auto.dynamic else auto.act_observer,
                                smoothquant=auto.smoothquant, accuracy_budget=None,
-                               weight_algorithm=auto.weight_algorithm,
+                               weight_algorithm=auto.weight_algorithm, weight_bits=auto.weight_bits,
                                skip=tuple(base.skip) + tuple(s for s in skip if s not in base.skip))
 
 
@@ -196,7 +200,8 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
             # build=False: the scoring copy stands in for the model (quantize builds the artifact
             # from the --skip patterns below, for real, and measures it afresh)
             q, keep, score, weights, variants = at.fallback_with_weights(
-                lambda w: variants_of(b, cli, w), evaluator, target, rank_evaluator=evaluator.head(1),
+                lambda w: variants_of(b, cli, w), evaluator, target, weights=at.fallback_weights(b),
+                rank_evaluator=evaluator.head(1),
                 progress=progress, build=False)
             layers = [layer for layer in variants.layers if layer.name in keep]
             skip = sorted({layer.module for layer in layers if layer.module})

@@ -47,7 +47,7 @@ class FP8Recipe:
                                     "add it or drop --kv-granularity")
         dynamic = config.dynamic
         int8_only = (("--activation", args.activation), ("--granularity", args.granularity),
-                     ("--dynamic", args.dynamic))
+                     ("--dynamic", args.dynamic), ("--weight-bits", getattr(args, "weight_bits", None)))
         for flag, value in int8_only:
             if value is not None and value is not False:
                 raise inputs.UsageError(f"{flag} has no effect with --scheme {scheme} (E4M3 activations, "

@@ -112,6 +112,9 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
     recipe.add_argument("--activation", choices=["affine-uint8", "symmetric-int8", "affine-uint7"],
                         help="activation integers (default affine-uint8 static, symmetric-int8 dynamic); "
                              "affine-uint7 lets oneDNN run exactly on CPUs without VNNI")
+    recipe.add_argument("--weight-bits", type=int, choices=range(2, 9), metavar="2..8",
+                        help="W8A8 schemes: integer width of the int8 weights (default 8); 7 (-64..63) lets oneDNN "
+                             "run 8-bit activations exactly on CPUs without VNNI (AVX2)")
     recipe.add_argument("--dynamic", action="store_true", default=None,
                         help="quantize activations at run time instead of calibrating them")
     recipe.add_argument("--granularity", choices=["per-tensor", "per-token"],

@@ -46,7 +46,7 @@ def _cli_recipe(config: SchemeConfig) -> bool:
         return config == QuantConfig(activation=config.activation, act_observer=config.act_observer,
                                      weight_observer=config.weight_observer, dynamic=config.dynamic,
                                      granularity=config.granularity, ops=config.ops,
-                                     weight_algorithm=config.weight_algorithm)
+                                     weight_algorithm=config.weight_algorithm, weight_bits=config.weight_bits)
     if isinstance(config, WeightOnlyConfig):
         return not config.embeddings
     if isinstance(config, FP8Config):
@@ -112,6 +112,7 @@ class Recipe:
     # (per channel, a quarter: the auto fallback's float layers first try these; pipeline/_float_fallback);
     # with bf16 or int8 the layers also read their inputs unrounded
     float_weights: str = "fp32"
+    weight_bits: int = 8  # --weight-bits (QuantConfig.weight_bits): 7 keeps oneDNN exact on AVX2
 
     @staticmethod
     def from_args(args) -> "Recipe":
@@ -133,6 +134,7 @@ class Recipe:
         observer, weight_observer, activation = args.observer, args.weight_observer, args.activation
         ops = None
         algorithm = getattr(args, "algorithm", None)
+        weight_bits = getattr(args, "weight_bits", None)
         if preset is not None:  # a QuantConfig preset: its fields, unless a flag says otherwise
             if dynamic and not preset.dynamic:
                 raise inputs.UsageError(f"--dynamic conflicts with --scheme {args.scheme} (static activations); "
@@ -151,6 +153,7 @@ class Recipe:
             if preset.ops != default.ops:
                 ops = tuple(sorted(preset.ops))
             algorithm = algorithm or preset.weight_algorithm
+            weight_bits = weight_bits or preset.weight_bits
         dynamic, granularity = bool(dynamic), granularity or "per-tensor"
         if granularity == "per-token" and not dynamic:
             raise inputs.UsageError("--granularity per-token needs --dynamic (per-token scales are chosen at run "
@@ -166,7 +169,7 @@ class Recipe:
                       observer=observer or "minmax", weight_observer=weight_observer,
                       skip=tuple(args.skip or ()), smoothquant=args.smoothquant,
                       accuracy_budget=args.accuracy_budget, metric=args.metric,
-                      weight_algorithm=algorithm or "rtn")
+                      weight_algorithm=algorithm or "rtn", weight_bits=weight_bits or 8)
 
     def __post_init__(self) -> None:
         from quantkit.accuracy._metrics import resolve_metric
@@ -248,7 +251,8 @@ class Recipe:
                 "skip": list(self.skip), "smoothquant": self.smoothquant, "accuracy_budget": self.accuracy_budget,
                 "metric": self.metric if self.accuracy_budget is not None else None,
                 # only when not the default: recipes recorded before the field stay as they were
-                **({"float_weights": self.float_weights} if self.float_weights != "fp32" else {})}
+                **({"float_weights": self.float_weights} if self.float_weights != "fp32" else {}),
+                **({"weight_bits": self.weight_bits} if self.weight_bits != 8 else {})}
 
     def config(self) -> QuantConfig:
         """The W8A8 ``QuantConfig`` of this recipe."""
@@ -257,7 +261,7 @@ class Recipe:
             kw["weight_algorithm"] = self.weight_algorithm  # checked in __post_init__ (weight_algorithm_kwargs)
         return QuantConfig(activation=self.activation, act_observer=self.observer,
                            weight_observer=self.weight_observer, dynamic=self.dynamic,
-                           granularity=self.granularity, **kw)
+                           granularity=self.granularity, weight_bits=self.weight_bits, **kw)
 
     def quantizer(self, module_names: list[str]):
         """W8A8 for the chosen op families plus weight-only int8 embeddings; ``skip`` patterns stay float."""

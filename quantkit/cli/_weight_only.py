@@ -43,13 +43,14 @@ class WeightOnlyRecipe:
         if double_quant and config.scheme != "nf4":
             raise inputs.UsageError(f"--double-quant quantizes NF4's scales; --scheme {scheme} has none: use "
                                     "--scheme nf4, or drop it")
-        activation_flags = (("--dynamic", args.dynamic), ("--granularity", args.granularity),
+        activation_flags = (("--weight-bits", getattr(args, "weight_bits", None)),
+                            ("--dynamic", args.dynamic), ("--granularity", args.granularity),
                             ("--activation", args.activation), ("--ops", args.ops), ("--observer", args.observer),
                             ("--smoothquant", args.smoothquant), ("--accuracy-budget", args.accuracy_budget))
         for flag, value in activation_flags:
             if value is not None and value is not False:
                 raise inputs.UsageError(f"{flag} has no effect with --scheme {scheme} (weight-only: activations "
-                                        "stay float); drop it")
+                                        "stay float; the scheme sets the weight width); drop it")
         if args.weight_observer != "per_channel_minmax":
             raise inputs.UsageError(f"--weight-observer has no effect with --scheme {scheme} (group-wise min/max, "
                                     "or absmax for nf4); drop it")

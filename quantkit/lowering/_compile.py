@@ -105,9 +105,10 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", float_dtype: s
     elif cpu_kernels == "onednn" or (cpu_kernels == "auto" and reason is None):
         target = Target.ONEDNN
         if reason is not None:
-            hint = "" if "per-token" in reason else " (quantize with QuantConfig(activation='affine-uint7') to make them exact)"
-            warnings.warn("oneDNN int8 on a CPU without VNNI saturates int16 sums with 8-bit activations; results "
-                          f"are not exact{hint}", stacklevel=2)
+            hint = (" (quantize with QuantConfig(weight_bits=7)" + ("" if "per-token" in reason else
+                    " or activation='affine-uint7'") + " to make them exact)")
+            warnings.warn("oneDNN int8 on a CPU without VNNI saturates int16 sums with 8-bit activations and weights; "
+                          f"results are not exact{hint}", stacklevel=2)
             reason = None
     else:
         target = None

@@ -38,6 +38,10 @@ _ONEDNN_CONSUMERS = {
 }
 # largest uint8 activation for which a vpmaddubsw pair sum fits int16: 2 * 127 * 128 = 32512 <= 32767
 _MAX_U8_WITHOUT_VNNI = 127
+# largest |int8 weight| for which a pair sum fits int16 with ANY uint8 activation: 2 * 255 * 64 = 32640
+# (7-bit weights, ``QuantConfig(weight_bits=7)``: -64..63): 8-bit activations stay exact on AVX2
+_MAX_ABS_W8_WITHOUT_VNNI = 64
+_WEIGHT_DEQUANT = {_Q.dequantize_per_channel.default: 4, _Q.dequantize_per_tensor.default: 3}  # -> quant_min's index
 
 
 def exact_on_this_cpu() -> bool:
@@ -60,7 +64,7 @@ def _saturating_activation(gm: GraphModule) -> str | None:
         if node.op != "call_function" or node.target not in _ONEDNN_CONSUMERS:
             continue
         x = node.args[0]
-        if not isinstance(x, Node) or x.op != "call_function":
+        if not isinstance(x, Node) or x.op != "call_function" or _narrow_weight(node):
             continue
         if x.target is _DEQUANT_PER_TOKEN:
             return "per-token int8"
@@ -70,6 +74,20 @@ def _saturating_activation(gm: GraphModule) -> str | None:
         if dtype != torch.uint8 or not 0 <= qmin <= qmax <= _MAX_U8_WITHOUT_VNNI:
             return "dynamic 8-bit" if x.target is _Q.dequantize_per_tensor.tensor else "8-bit"
     return None
+
+
+def _narrow_weight(consumer: Node) -> bool:
+    """Whether ``consumer``'s weight is a dequantize of int8 stored within -64..64 (``weight_bits=7``):
+    then no uint8 activation can saturate a ``vpmaddubsw`` pair sum (2 * 255 * 64 = 32640)."""
+    w = consumer.args[1] if len(consumer.args) > 1 else consumer.kwargs.get("weight")
+    if not isinstance(w, Node) or w.op != "call_function" or w.target not in _WEIGHT_DEQUANT:
+        return False
+    i = _WEIGHT_DEQUANT[w.target]
+    if len(w.args) < i + 3 or w.args[i + 2] != torch.int8:
+        return False
+    qmin, qmax = w.args[i], w.args[i + 1]
+    return isinstance(qmin, int) and isinstance(qmax, int) and -_MAX_ABS_W8_WITHOUT_VNNI <= qmin <= qmax <= \
+        _MAX_ABS_W8_WITHOUT_VNNI
 
 
 def exact_for_graph(gm: GraphModule) -> bool:
@@ -83,7 +101,12 @@ def exact_for_graph(gm: GraphModule) -> bool:
     levels: a uint8 range 100..227 has 128 levels but still overflows. Int8 activations do not
     qualify: oneDNN (and the pre-pass below) shift them by 128 to uint8 first; that includes
     per-token activations (symmetric int8 in -127..127, ``_per_token.py``), which are therefore
-    exact only on VNNI/AMX CPUs.
+    exact only on VNNI/AMX CPUs -- unless the weight is 7-bit.
+
+    7-bit weights (``QuantConfig(weight_bits=7)``, stored in -64..63) make any uint8 activation
+    exact: a pair sums to at most 2 * 255 * 64 = 32640. That keeps 8-bit activations (static,
+    dynamic, per-token) and costs one bit of per-channel weight resolution instead, which the
+    per-channel weights tolerate far better than per-tensor activations (MiniLM, issue 28).
 
     A graph mixing 7-bit and 8-bit activations is not exact as a whole; Inductor's freezing
     patterns rewrite every match, with no per-layer opt-out, so such a graph is reported
@@ -98,12 +121,12 @@ def why_reference(gm: GraphModule) -> str | None:
 
     Example:
         >>> why_reference(converted)  # on an AVX2-only CPU, a per-token graph
-        'no VNNI/AMX on this CPU: int8 GEMMs of per-token int8 activations would saturate; running the reference q/dq graph'
+        'no VNNI/AMX on this CPU: int8 GEMMs of per-token int8 activations and 8-bit weights would saturate; running the reference q/dq graph'
     """
     kind = _saturating_activation(gm)
     if kind is None:
         return None
-    return (f"no VNNI/AMX on this CPU: int8 GEMMs of {kind} activations would saturate; "
+    return (f"no VNNI/AMX on this CPU: int8 GEMMs of {kind} activations and 8-bit weights would saturate; "
             "running the reference q/dq graph")
 
 
