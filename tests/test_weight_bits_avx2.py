@@ -24,6 +24,7 @@ import quantkit
 from quantkit.accuracy import _autotune as at
 from quantkit.cli import main
 from quantkit.quantizers import QuantConfig, W8A8Quantizer
+from tests.cli_factories import mlp_quantize_args, write_mlp_inputs
 from tests.models import make_mlp
 
 Q = torch.ops.quantized_decomposed
@@ -161,25 +162,13 @@ def test_the_cost_model_plans_seven_bit_weights_on_onednn(no_vnni):
     assert p7.gemms()[("qlinear", "fp32")] == 3 and ("qlinear", "fp32") not in p8.gemms()
 
 
-def _mlp_args(d, out, *extra):
-    return ["quantize", "tests.cli_factories:mlp", "--weights", str(d / "mlp.safetensors"), "--example-input",
-            "8x64:float32", "--calib", str(d / "calib"), "--out", str(out), "--quiet", *extra]
-
-
 @pytest.fixture(scope="module")
 def mlp_files(tmp_path_factory):
-    from safetensors.torch import save_file
+    return write_mlp_inputs(tmp_path_factory.mktemp("mlp"), calib_rows=24)
 
-    from tests.cli_factories import mlp
 
-    d = tmp_path_factory.mktemp("mlp")
-    torch.manual_seed(1)
-    save_file(mlp().state_dict(), str(d / "mlp.safetensors"))
-    (d / "calib").mkdir()
-    gen = torch.Generator().manual_seed(0)
-    for i in range(3):
-        torch.save(torch.randn(8, 64, generator=gen), d / "calib" / f"b{i}.pt")
-    return d
+def _mlp_args(files, out, *extra):
+    return mlp_quantize_args(*files, out, *extra)
 
 
 def test_cli_weight_bits_seven_is_recorded_in_the_artifact(mlp_files, tmp_path):
