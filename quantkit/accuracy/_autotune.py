@@ -54,6 +54,8 @@ class AutoRecipe:
     # offered by the auto search only where oneDNN's int8 GEMMs saturate 8-bit data (no VNNI/AMX: an
     # AVX2-only CPU); its 7-bit weights are what makes them exact there (lowering/_onednn.exact_for_graph)
     only_without_vnni: bool = False
+    # tried by ``auto`` (False: only when named, ``--recipe NAME`` / ``recipes=[...]``)
+    in_auto: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.scheme, QuantConfig):
@@ -120,8 +122,10 @@ _ALL = (
                _PER_TOKEN_W7, smoothquant="auto", only_without_vnni=True),
     AutoRecipe("per-token-fallback-w7", "the most accurate 7-bit-weight per-token recipe with its most sensitive "
                "layers float", _PER_TOKEN_W7, fallback=True, only_without_vnni=True),
+    # not in auto: on MiniLM (Zen 3) it met only with 29 of 36 layers float, 110 ms against
+    # per-token-fallback-w7's 8 layers and 88 ms, and cost the search 28 s (BENCHMARKS, "AVX2 ...")
     AutoRecipe("fallback-w7", "the most accurate 7-bit-weight static recipe with its most sensitive layers float",
-               _STATIC_W7, fallback=True, only_without_vnni=True),
+               _STATIC_W7, fallback=True, only_without_vnni=True, in_auto=False),
 )
 
 
@@ -144,12 +148,12 @@ def recipe_names() -> list[str]:
 
 
 def auto_recipes() -> list[AutoRecipe]:
-    """The recipes ``auto`` tries on this CPU: every recipe, less the ``only_without_vnni`` ones where
-    oneDNN accumulates 8-bit data exactly (VNNI/AMX: there they are only less accurate, never faster)."""
+    """The recipes ``auto`` tries on this CPU: the ``in_auto`` ones, less the ``only_without_vnni`` ones
+    where oneDNN accumulates 8-bit data exactly (VNNI/AMX: there they are only less accurate, never faster)."""
     from ..lowering._onednn import exact_on_this_cpu
 
     exact = exact_on_this_cpu()
-    return [r for r in RECIPES.values() if not (r.only_without_vnni and exact)]
+    return [r for r in RECIPES.values() if r.in_auto and not (r.only_without_vnni and exact)]
 
 
 @dataclass

@@ -18,7 +18,7 @@ RECIPE_HELP = ("auto (default when no other recipe flag is given): the fastest r
                "held-out split, measured; or force one: static, static-smoothquant, histogram, per-token, "
                "per-token-smoothquant, per-token-fallback, fallback (gptq where available); on CPUs without VNNI, auto "
                "also tries their 7-bit-weight variants: histogram-w7, per-token-w7, per-token-smoothquant-w7, "
-               "per-token-fallback-w7, fallback-w7")
+               "per-token-fallback-w7 (fallback-w7 only when named)")
 # flags that spell out a recipe by hand: with them, no search runs (and --recipe conflicts)
 _MANUAL = (("scheme", "--scheme"), ("activation", "--activation"), ("dynamic", "--dynamic"),
            ("granularity", "--granularity"), ("observer", "--observer"), ("weight_bits", "--weight-bits"), ("smoothquant", "--smoothquant"),
