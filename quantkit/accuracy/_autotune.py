@@ -491,31 +491,27 @@ def fallback_with_weights(variants_for: Callable[[str], Any], evaluator, target:
     layers' weights so), stopping at the first that meets ``target``. Returns ``(model, keep, score,
     weights, variants)``."""
     choices = tuple(weights)
-    for weights in choices:
-        variants = variants_for(weights)
+    for chosen in choices:
+        variants = variants_for(chosen)
         try:
             q, keep, score = fallback_search(variants, evaluator, evaluator.reference - target, **kw)
         except ValueError:  # even every layer float falls short with these weights
-            if weights == choices[-1]:
+            if chosen == choices[-1]:
                 raise
             continue
         if score >= target:
             break
-    return q, keep, score, weights, variants
-
-
-# the base of a fallback recipe when none of its kind of lowering was scored
-_DEFAULT_BASE = {"static": "static", "per-token": "per-token", "static-w7": "histogram-w7", "per-token-w7": "per-token-w7"}
+    return q, keep, score, chosen, variants
 
 
 def best_base(trials: list[Trial], fallback: AutoRecipe) -> AutoRecipe:
     """The base a fallback recipe keeps fast: the most accurate recipe of its kind of lowering
     (``fallback.lowering``, static or per-token) scored so far, not itself a fallback; the
-    plain recipe of that kind when none was (ties: the first scored)."""
+    first such recipe in :data:`RECIPES` when none was (ties: the first scored)."""
     same = [t for t in trials if t.score is not None and t.recipe in RECIPES
             and RECIPES[t.recipe].lowering == fallback.lowering and not RECIPES[t.recipe].fallback]
     if not same:
-        return RECIPES[_DEFAULT_BASE[fallback.lowering]]
+        return next(r for r in RECIPES.values() if r.lowering == fallback.lowering and not r.fallback)
     return RECIPES[max(same, key=lambda t: t.score).recipe]
 
 

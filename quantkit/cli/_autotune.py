@@ -21,8 +21,8 @@ RECIPE_HELP = ("auto (default when no other recipe flag is given): the fastest r
                "per-token-fallback-w7 (fallback-w7 only when named)")
 # flags that spell out a recipe by hand: with them, no search runs (and --recipe conflicts)
 _MANUAL = (("scheme", "--scheme"), ("activation", "--activation"), ("dynamic", "--dynamic"),
-           ("granularity", "--granularity"), ("observer", "--observer"), ("weight_bits", "--weight-bits"), ("smoothquant", "--smoothquant"),
-           ("accuracy_budget", "--accuracy-budget"))
+           ("granularity", "--granularity"), ("observer", "--observer"), ("weight_bits", "--weight-bits"),
+           ("smoothquant", "--smoothquant"), ("accuracy_budget", "--accuracy-budget"))
 
 
 def add_arguments(group) -> None:

@@ -20,7 +20,8 @@ __all__ = ["SchemeRecipe", "presets_of"]
 _RECIPE_FLAGS = (("--activation", "activation"), ("--dynamic", "dynamic"), ("--granularity", "granularity"),
                  ("--ops", "ops"), ("--observer", "observer"), ("--group-size", "group_size"),
                  ("--kv-cache", "kv_cache"), ("--kv-granularity", "kv_granularity"), ("--algorithm", "algorithm"),
-                 ("--weight-bits", "weight_bits"), ("--smoothquant", "smoothquant"), ("--accuracy-budget", "accuracy_budget"))
+                 ("--weight-bits", "weight_bits"), ("--smoothquant", "smoothquant"),
+                 ("--accuracy-budget", "accuracy_budget"))
 
 
 def presets_of(config_type: type) -> str:
