@@ -185,6 +185,11 @@ def bench(name: str, reps: int) -> list[str]:
     else:
         builds.append(("quantkit int8 compiled (onednn forced)",
                        lambda: _quantkit(copy.deepcopy(model), inputs, calib, "onednn")))
+    if name in ("minilm", "block"):
+        # issue 28: static int8 with q, k, v quantized and the SDPA on quantkit::int8_sdpa_cpu
+        with_attention = frozenset(QuantConfig().ops | {"attention"})
+        builds.append(("quantkit int8 compiled (auto, int8 attention)",
+                       lambda: _quantkit(copy.deepcopy(model), inputs, calib, "auto", ops=with_attention)))
     if name == "block":
         # torchao's X86InductorQuantizer leaves the attention matmuls float (Inductor then
         # matches them into one SDPA kernel); the same coverage in quantkit:
