@@ -15,8 +15,9 @@ from ._kernel_cache import KernelStatus
 from ._int4_cpu import available as int4_cpu_available
 from ._int4_cpu import status as int4_cpu_status
 from ._int4_cpu import int4_linear_cpu, pack_int4_cpu
+from ._per_token_quant_cpu import per_token_quant_cpu
 from ._int8_gemm import ACTIVATIONS, OUT_DTYPES, int8_bmm, int8_linear
 from ._quant import DECOMPOSED, quantize_per_token
 from ._w4a16 import w4a16_linear
 
-__all__ = ["int8_linear", "w4a16_linear", "int4_linear_cpu", "pack_int4_cpu", "int4_cpu_available", "int4_cpu_status", "KernelStatus", "fp8_linear", "FP8_OUT_DTYPES", "int8_bmm", "quantize_per_token", "DECOMPOSED", "ACTIVATIONS", "OUT_DTYPES"]
+__all__ = ["int8_linear", "w4a16_linear", "int4_linear_cpu", "pack_int4_cpu", "per_token_quant_cpu", "int4_cpu_available", "int4_cpu_status", "KernelStatus", "fp8_linear", "FP8_OUT_DTYPES", "int8_bmm", "quantize_per_token", "DECOMPOSED", "ACTIVATIONS", "OUT_DTYPES"]
