@@ -44,7 +44,7 @@ import functools
 import torch
 
 from ._cpu_isa import cpu_has
-from ._kernel_cache import KernelLoadError, KernelStatus, cache_dir, load, load_with_status, verify
+from ._kernel_cache import KernelLoadError, KernelStatus, cache_dir, define_cpu_op, load, load_with_status, verify
 
 __all__ = ["int4_linear_cpu", "pack_int4_cpu", "available", "status", "KERNEL", "PREFILL_ROWS", "PREFILL_COLUMNS",
            "BLOCK_N"]
@@ -387,22 +387,8 @@ def _fake(x, packed, scale_zero, group_size):
     return x.new_empty(*x.shape[:-1], n)
 
 
-# A plain torch.library registration, not @custom_op: its Python wrapper costs ~20 us more per call
-# (measured here: 45 vs 25 us on a tiny layer), ~7% of a 4096x4096 M = 1 product.
-def _register():
-    """Define the op once per process: this file can be imported twice, as ``quantkit.kernels`` and, with
-    the source tree on ``sys.path``, as a top-level ``kernels`` (transformers probes for a ``kernels``
-    package)."""
-    if hasattr(torch.ops.quantkit, "int4_linear_cpu"):
-        return None
-    lib = torch.library.Library("quantkit", "FRAGMENT")
-    lib.define("int4_linear_cpu(Tensor x, Tensor packed, Tensor scale_zero, int group_size) -> Tensor")
-    lib.impl("int4_linear_cpu", _impl, "CPU")
-    torch.library.register_fake("quantkit::int4_linear_cpu", _fake, lib=lib)
-    return lib
-
-
-_LIB = _register()
+_LIB = define_cpu_op("int4_linear_cpu(Tensor x, Tensor packed, Tensor scale_zero, int group_size) -> Tensor",
+                     _impl, _fake)
 
 
 def int4_linear_cpu(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ import functools
 
 import torch
 
-from ._kernel_cache import KernelStatus, load, load_with_status
+from ._kernel_cache import KernelStatus, define_cpu_op, load, load_with_status
 
 __all__ = ["int8_sdpa_cpu", "int8_scores_cpu", "available", "status", "KERNEL", "MAX_HEAD_DIM"]
 
@@ -314,19 +314,8 @@ def _fake(q, k, v, attn_mask, q_scale, q_zp, k_scale, k_zp, v_scale, v_zp, scale
     return q.new_empty((b, h, t, dv), dtype=torch.float32)
 
 
-def _register():
-    """Define the op once per process (this file may be imported as ``quantkit.kernels`` and as ``kernels``)."""
-    if hasattr(torch.ops.quantkit, "int8_sdpa_cpu"):
-        return None
-    lib = torch.library.Library("quantkit", "FRAGMENT")
-    lib.define("int8_sdpa_cpu(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, float q_scale, int q_zp, "
-               "float k_scale, int k_zp, float v_scale, int v_zp, float? scale) -> Tensor")
-    lib.impl("int8_sdpa_cpu", _impl, "CPU")
-    torch.library.register_fake("quantkit::int8_sdpa_cpu", _fake, lib=lib)
-    return lib
-
-
-_LIB = _register()
+_LIB = define_cpu_op("int8_sdpa_cpu(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, float q_scale, int q_zp, "
+                     "float k_scale, int k_zp, float v_scale, int v_zp, float? scale) -> Tensor", _impl, _fake)
 
 
 def int8_sdpa_cpu(q, k, v, attn_mask=None, *, q_scale: float, q_zp: int, k_scale: float, k_zp: int,

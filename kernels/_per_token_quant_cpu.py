@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from ._kernel_cache import KernelStatus, load, load_with_status
+from ._kernel_cache import KernelStatus, define_cpu_op, load, load_with_status
 
 __all__ = ["per_token_quant_cpu", "available", "status", "KERNEL", "STEPS"]
 
@@ -245,19 +245,8 @@ def _fake(x, row_scale, col0, col1, steps):
     return x.new_empty(x.shape, dtype=torch.uint8), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
 
 
-def _register():
-    """Define the op once per process (this file may be imported as ``quantkit.kernels`` and as ``kernels``)."""
-    if hasattr(torch.ops.quantkit, "per_token_quant_cpu"):
-        return None
-    lib = torch.library.Library("quantkit", "FRAGMENT")
-    lib.define("per_token_quant_cpu(Tensor x, Tensor? row_scale, Tensor? col0, Tensor? col1, str[] steps) "
-               "-> (Tensor, Tensor)")
-    lib.impl("per_token_quant_cpu", _impl, "CPU")
-    torch.library.register_fake("quantkit::per_token_quant_cpu", _fake, lib=lib)
-    return lib
-
-
-_LIB = _register()
+_LIB = define_cpu_op("per_token_quant_cpu(Tensor x, Tensor? row_scale, Tensor? col0, Tensor? col1, str[] steps) "
+                     "-> (Tensor, Tensor)", _impl, _fake)
 
 
 def per_token_quant_cpu(x, steps=(), *, row_scale=None, cols=()) -> tuple[torch.Tensor, torch.Tensor]:
