@@ -100,6 +100,8 @@ void kernel(const void* x, const float* row, const float* c0, const float* c1, c
             uint8_t* q, float* scale, int64_t M, int64_t N, int64_t xs, int64_t is_bf16, int64_t n_steps,
             int64_t threads) {
   const int64_t Np = (N + W - 1) / W * W;
+  bool is_row = false;  // row holds one value per row only when the program multiplies by it
+  for (int64_t s = 0; s < n_steps; ++s) is_row = is_row || prog[s] == 1;
   #pragma omp parallel num_threads(threads)
   {
     // the row and the column vectors padded to whole vectors (the padding lanes are masked out of amax)
@@ -107,6 +109,8 @@ void kernel(const void* x, const float* row, const float* c0, const float* c1, c
     if (c0) std::memcpy(pc0.data(), c0, N * sizeof(float));
     if (c1) std::memcpy(pc1.data(), c1, N * sizeof(float));
     const float* cols[2] = {pc0.data(), pc1.data()};
+    int32_t steps[16];  // a local copy: the vector stores into the row buffer may alias prog
+    for (int64_t s = 0; s < n_steps; ++s) steps[s] = (int32_t)prog[s];
     pq_vi lane;
     for (int64_t l = 0; l < W; ++l) lane[l] = (int32_t)l;
     #pragma omp for schedule(static)
@@ -120,12 +124,13 @@ void kernel(const void* x, const float* row, const float* c0, const float* c1, c
       }
       for (int64_t j = N; j < Np; ++j) b[j] = 0.0f;
       pq_v amax = {};
+      const float rm = row[is_row ? m : 0];
       for (int64_t j = 0; j < Np; j += W) {
         pq_v v = *(const pq_v*)(b + j);
         int64_t next_col = 0;
         for (int64_t s = 0; s < n_steps; ++s) {
-          switch (prog[s]) {
-            case 1: v = v * row[m]; break;
+          switch (steps[s]) {
+            case 1: v = v * rm; break;
             case 2: v = v + *(const pq_v*)(cols[next_col++] + j); break;
             case 3: v = pq_bf16(v); break;
             case 4: v = (v * 0.5f) * (pq_erf(v * 0.70710678118654752440f) + 1.0f); break;
