@@ -90,6 +90,17 @@ def _quantkit(converted, **kw):
         return quantkit.compile(converted, **kw)
 
 
+def _unfused(converted, **kw):
+    """``quantkit.compile`` without the ``per_token_quant_fuse`` pass (its kernel reported missing while
+    the passes run, which happens inside ``compile``): what the per-token recipe ran before that pass."""
+    from unittest import mock
+
+    from quantkit.kernels import _per_token_quant_cpu
+
+    with mock.patch.object(_per_token_quant_cpu, "available", lambda: False):
+        return _quantkit(converted, **kw)
+
+
 def _cpu_line() -> str:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     name = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), "?")
@@ -122,11 +133,15 @@ def main(argv=None) -> None:
         "quantkit per-token+SQ compiled (auto)": lambda: _quantkit(converted),
         "quantkit per-token+SQ compiled (onednn, float ops fp32)":
             lambda: _quantkit(converted, cpu_kernels="onednn", float_dtype="fp32"),
+        "quantkit per-token+SQ compiled (onednn, float ops fp32, no prologue fusion)":
+            lambda: _unfused(converted, cpu_kernels="onednn", float_dtype="fp32"),
     }
     if bf16:
         builders["bf16 compiled"] = lambda: _bf16(model)
         builders["quantkit per-token+SQ compiled (onednn, float ops bf16)"] = \
             lambda: _quantkit(converted, cpu_kernels="onednn", float_dtype="bf16")
+        builders["quantkit per-token+SQ compiled (onednn, float ops bf16, no prologue fusion)"] = \
+            lambda: _unfused(converted, cpu_kernels="onednn", float_dtype="bf16")
     else:
         print("bf16 rows skipped: no native BF16 on this CPU (emulated bf16 is ~100x slower; --bf16 times it anyway)")
     variants, notes = {}, []

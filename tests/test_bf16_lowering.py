@@ -91,6 +91,11 @@ def test_dynamic_per_token_quantizes_get_float32_back():
 
 def test_resolve_float_dtype(monkeypatch):
     monkeypatch.setattr(_bf16, "bf16_supported", lambda: True)
+    monkeypatch.setattr(_bf16, "cpu_has", lambda flag: flag == "avx512_bf16")  # a Zen 4: BF16, no AMX
+    assert _bf16.bf16_float_ops_pay() is False
+    assert _bf16.resolve_float_dtype("auto", onednn=True) is torch.float32
+    assert _bf16.resolve_float_dtype("bf16", onednn=True) is torch.bfloat16  # asked for: still bf16
+    monkeypatch.setattr(_bf16, "cpu_has", lambda flag: flag in ("avx512_bf16", "amx_bf16"))  # an AMX Xeon
     assert _bf16.resolve_float_dtype("auto", onednn=True) is torch.bfloat16
     assert _bf16.resolve_float_dtype("auto", onednn=False) is torch.float32  # reference q/dq path
     assert _bf16.resolve_float_dtype("fp32", onednn=True) is torch.float32
@@ -150,8 +155,9 @@ class _Attention(torch.nn.Module):
 @pytest.mark.parametrize("shape, bf16", [((32, 4, 16, 16), False), ((8, 4, 256, 64), True)])
 def test_auto_takes_bf16_only_for_large_attention(monkeypatch, shape, bf16):
     """float_dtype='auto' rule: bf16 from 2**24 multiply-adds per attention op (measured: the
-    block's 0.5M-MAC attention is slower in bf16, MiniLM's 403M-MAC SDPA faster)."""
+    block's 0.5M-MAC attention is slower in bf16, MiniLM's 403M-MAC SDPA faster), on an AMX CPU."""
     monkeypatch.setattr(_bf16, "bf16_supported", lambda: True)
+    monkeypatch.setattr(_bf16, "bf16_float_ops_pay", lambda: True)
     args = tuple(torch.randn(shape) for _ in range(3))
     gm = torch.export.export(_Attention(), args).module()
     b, h, t, d = shape

@@ -34,7 +34,7 @@ from .._graph import get_attr
 from ..pipeline._float_fallback import bf16_weight_source, float_gemms
 from ._registry import LoweringContext, register_lowering
 
-__all__ = ["FLOAT_DTYPES", "KEEP_FLOAT32_META_KEY", "bf16_supported", "bf16_attention_faster", "resolve_float_dtype", "float_ops_to_bf16",
+__all__ = ["FLOAT_DTYPES", "KEEP_FLOAT32_META_KEY", "bf16_supported", "bf16_float_ops_pay", "bf16_attention_faster", "resolve_float_dtype", "float_ops_to_bf16",
            "float_layers_to_bf16", "lower_bf16", "lower_float_layers_bf16"]
 
 aten = torch.ops.aten
@@ -55,11 +55,22 @@ def bf16_supported() -> bool:
     return cpu_has("avx512_bf16") or cpu_has("amx_bf16")
 
 
+def bf16_float_ops_pay() -> bool:
+    """Whether an int8 graph's float ops (attention, LayerNorm, GELU, softmax) gain from bf16 here:
+    only on AMX. With AVX-512 BF16 alone (Zen 4) they measured slower in bf16 than in float32 --
+    the casts cost more than the bf16 dot products save: all-MiniLM-L6-v2 32x128, 2 threads,
+    interleaved, static int8 132 vs 137 ms, per-token + SmoothQuant 155 vs 169 ms, the transformer
+    block 0.48 vs 0.65 ms (``benchmarks/bench_models.py``, ``bench_fast_accurate.py``, BENCHMARKS.md,
+    2026-12-03). The float *GEMMs* a fallback keeps do gain from bf16 on any BF16 CPU
+    (``float_layers_bf16``)."""
+    return cpu_has("amx_bf16")
+
+
 def resolve_float_dtype(float_dtype, *, onednn: bool, graph: GraphModule | None = None) -> torch.dtype:
     """The dtype ``quantkit.compile`` runs the float ops in.
 
-    ``"auto"`` means bf16 on a CPU with native bf16 when oneDNN int8 runs and, given the
-    ``graph``, only where its float attention (SDPA, float matmuls) measures faster in bf16
+    ``"auto"`` means bf16 on an AMX CPU (``bf16_float_ops_pay``) when oneDNN int8 runs and, given
+    the ``graph``, only where its float attention (SDPA, float matmuls) measures faster in bf16
     (``bf16_attention_faster``: large attention, a rule from measurements); else float32.
     """
     if float_dtype in (torch.bfloat16, torch.float32):
@@ -67,7 +78,7 @@ def resolve_float_dtype(float_dtype, *, onednn: bool, graph: GraphModule | None 
     if float_dtype not in FLOAT_DTYPES:
         raise ValueError(f"unknown float_dtype {float_dtype!r}; use one of {list(FLOAT_DTYPES)}")
     if float_dtype == "auto":
-        if not (onednn and bf16_supported()):
+        if not (onednn and bf16_supported() and bf16_float_ops_pay()):
             return torch.float32
         return torch.bfloat16 if graph is None or bf16_attention_faster(graph) else torch.float32
     return torch.bfloat16 if float_dtype == "bf16" else torch.float32
