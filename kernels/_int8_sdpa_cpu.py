@@ -34,6 +34,7 @@ import functools
 
 import torch
 
+from ._cpp_math import cephes_expf
 from ._kernel_cache import KernelStatus, define_cpu_op, load, load_with_status
 
 __all__ = ["int8_sdpa_cpu", "int8_scores_cpu", "available", "status", "KERNEL", "MAX_HEAD_DIM"]
@@ -58,24 +59,8 @@ _SOURCE = r"""
 typedef float qk_v8 __attribute__((vector_size(32), aligned(4), may_alias));
 typedef int32_t qk_v8i __attribute__((vector_size(32)));
 
-// exp(x) of 8 lanes, x <= 0 (scores minus their row maximum): Cephes expf (range reduction by ln 2 in
-// two parts, degree-6 polynomial), relative error ~1e-7; x < -87 (a masked key: -inf) gives exactly 0.
-static inline qk_v8 qk_exp8(qk_v8 x) {
-  const qk_v8i masked = x < -87.0f;
-  x = masked ? (qk_v8){} - 87.0f : x;
-  const qk_v8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const qk_v8 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  qk_v8 p = (qk_v8){} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const qk_v8 two_n = (qk_v8)((__builtin_convertvector(n, qk_v8i) + 127) << 23);
-  return masked ? (qk_v8){} : p * two_n;
-}
-
+// exp(x) of 8 lanes, x <= 0 (scores minus their row maximum), Cephes expf (_cpp_math.py); a masked key (-inf) gives 0
+""" + cephes_expf("qk_exp8", "qk_v8", "qk_v8i", clamp_high=False) + r"""
 constexpr int64_t RT = 4;   // query rows per register tile
 constexpr int64_t SB = 16;  // keys (and value columns) per register tile: two AVX2 vectors of float
 

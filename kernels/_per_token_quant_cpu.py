@@ -32,6 +32,7 @@ import functools
 
 import torch
 
+from ._cpp_math import cephes_expf
 from ._kernel_cache import KernelStatus, define_cpu_op, load, load_with_status
 
 __all__ = ["per_token_quant_cpu", "available", "status", "KERNEL", "STEPS"]
@@ -57,24 +58,8 @@ constexpr int64_t W = 16;
 
 static inline pq_v pq_splat(float a) { return (pq_v){} + a; }
 
-// exp(x), x clamped to [-87, 88]: Cephes expf (range reduction by ln 2 in two parts, degree-6 polynomial)
-static inline pq_v pq_exp(pq_v x) {
-  const pq_vi lo = x < -87.0f;
-  x = lo ? pq_splat(-87.0f) : x;
-  x = x > 88.0f ? pq_splat(88.0f) : x;
-  const pq_v n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const pq_v r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  pq_v p = pq_splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const pq_v two_n = (pq_v)((__builtin_convertvector(n, pq_vi) + 127) << 23);
-  return lo ? pq_splat(0.0f) : p * two_n;
-}
-
+// exp(x), x clamped to [-87, 88]: Cephes expf (_cpp_math.py)
+""" + cephes_expf("pq_exp", "pq_v", "pq_vi") + r"""
 // erf(x): Abramowitz-Stegun 7.1.26 (|error| < 1.5e-7), the formula ATen's vectorized erf uses
 static inline pq_v pq_erf(pq_v x) {
   const pq_v ax = x < 0.0f ? -x : x;
