@@ -67,13 +67,23 @@ def test_a_variant_that_is_not_exact_falls_back_to_the_real_build(monkeypatch):
             assert torch.equal(got(x), real(x))
 
 
-def test_dynamic_graphs_take_the_real_build():
+def test_dynamic_graphs_take_the_shortcut_bit_equal_to_real_builds():
+    """Per-token graphs: a float layer's input bypasses its choose_qparams -> quantize -> dequantize;
+    every variant computes exactly what its real KeepFloat build computes (checked here for each,
+    not only the first the shortcut checks itself), with fewer run-time quantizations."""
     model, x = make_transformer()
     variants = Variants(model, (x[:8],), [x[:16]], W8A8Quantizer(QuantConfig(dynamic=True, granularity="per-token")))
-    assert variants.cheap is False
-    got = variants.variant(["linear"])
-    assert variants.built == 1 and _count(got, QD.choose_qparams_per_token.default) < _count(
-        variants.quantized, QD.choose_qparams_per_token.default)
+    assert variants.cheap is None
+    names = [layer.name for layer in variants.layers]
+    for keep in (["linear"], names[1:3], names[-2:], names[::2]):
+        got = variants.variant(keep)
+        assert variants.cheap is True and "quantkit_variant_of" in got.meta  # the rewired graph, not a build
+        real = variants.build(keep)
+        with torch.no_grad():
+            assert torch.equal(got(x), real(x)), keep
+        assert _count(got, QD.choose_qparams_per_token.default) < _count(
+            variants.quantized, QD.choose_qparams_per_token.default)
+    assert variants.built == 1 + 4  # the shortcut's one check, then the real builds made here
 
 
 def _count(gm, op):

@@ -122,7 +122,10 @@ def _as_cli(auto, base, skip=(), float_weights=None):
 
 
 def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names, progress, recipes):
-    """Search (or build the forced recipe); returns ``(chosen CLI Recipe, report dict, donor)``.
+    """Search (or build the forced recipe); returns ``(chosen CLI Recipe, report dict, donor, smoothed)``.
+
+    ``smoothed``: the SmoothQuant graph the chosen recipe was scored on (the same ``smooth_quant``
+    call ``quantize`` makes: it need not run again), or None.
 
     ``donor``: None, or for a chosen fallback in one process, the search's calibrated model
     (:meth:`~quantkit.pipeline._variants.Variants.calibrate_like`): ``quantize`` copies its observers
@@ -141,7 +144,7 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
 
     if len(recipes) == 1 and not recipes[0].fallback:  # forced: nothing to search, quantize builds it
         return _as_cli(recipes[0], base), {"mode": "forced", "chosen": recipes[0].name, "met": None,
-                                           "reason": f"forced with --recipe {recipes[0].name}", "trials": []}, None
+                                           "reason": f"forced with --recipe {recipes[0].name}", "trials": []}, None, None
     with torch.no_grad():
         kind = report.output_kind(call_model(loaded.model, heldout[0]), heldout[0])
     key, default = ("top1_agreement", at.DEFAULT_TARGETS["top1"]) if kind == report.LOGITS else \
@@ -153,6 +156,7 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
     calibrated: dict = {}  # static recipe -> its calibrated prepared model (the fallback's base)
     bases: dict = {}  # static recipe -> Variants of its calibrated model (fallback, weight bounds)
     donors: dict = {}  # fallback recipe -> the Variants whose calibration its artifact can copy
+    scored_on: dict = {}  # recipe -> the SmoothQuant graph it was scored on (its CLI recipe's alpha)
 
     def variants_of(b, cli, float_weights="fp32"):
         k = (b.name, float_weights)
@@ -197,22 +201,26 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
             # the float layers keep int8 weights (per channel, read unrounded inputs: a quarter of
             # the bytes of fp32) where that meets the target, else bf16 weights (issue 28 items 3 and
             # the 0.30x size); the variants score what the artifact computes
-            # build=False: the scoring copy stands in for the model (quantize builds the artifact
-            # from the --skip patterns below, for real, and measures it afresh)
+            # q is a real build (one prepare + convert): the search's latency is estimated on it, and
+            # a scoring copy (constant float weights, fused q/dq) reads to the cost model as a float graph
             q, keep, score, weights, variants = at.fallback_with_weights(
                 lambda w: variants_of(b, cli, w), evaluator, target, weights=at.fallback_weights(b),
-                rank_evaluator=evaluator.head(1),
-                progress=progress, build=False)
+                rank_evaluator=evaluator.head(1), progress=progress)
             layers = [layer for layer in variants.layers if layer.name in keep]
             skip = sorted({layer.module for layer in layers if layer.module})
             if len(skip) < len(layers):  # a top-level op has no module to name with --skip
                 raise ValueError("a sensitive layer has no module name to keep float with --skip")
             cli_of[auto.name] = _as_cli(b, base, skip, float_weights=weights)
             donors[auto.name] = variants
+            if b.smoothquant is not None:
+                scored_on[auto.name] = variants.float_graph
             return q, score, {"base": b.name, "float_weights": weights,
                               "float_layers": [layer.label for layer in layers]}
         cli = _as_cli(auto, base)
-        prepared = quantkit.prepare(graph_for(auto, cli), cli.quantizer(module_names))
+        graph = graph_for(auto, cli)
+        if auto.smoothquant is not None:
+            scored_on[auto.name] = graph
+        prepared = quantkit.prepare(graph, cli.quantizer(module_names))
         quantkit.calibrate(prepared, calib, progress=False)
         q = quantkit.convert(prepared)  # a copy: prepared stays calibrated, for a fallback on this base
         # under a launch of several processes calibrate reduces across ranks while Variants calibrates
@@ -270,7 +278,8 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
     # a weight algorithm (GPTQ) rounds at calibration: only plain rounding copies observers alone
     donor = donors.get(chosen.recipe) if launched_world() <= 1 and chosen_cli.weight_algorithm == "rtn" \
         else None
-    return chosen_cli, doc, donor
+    smoothed_graph = scored_on.get(chosen.recipe) if chosen_cli.smoothquant is not None else None
+    return chosen_cli, doc, donor, smoothed_graph
 
 
 def _cpu_note() -> str | None:

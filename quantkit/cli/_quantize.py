@@ -405,15 +405,17 @@ def run_quantize(args, say) -> int:
             gm = quantkit.capture(loaded.model, tuple(x.to(device) for x in loaded.example))
     t = clock.lap("capture", t)
     _check_captured(recipe, gm, module_names)
-    tuned = donor = None
+    tuned = donor = smoothed = None
     if autos is not None:  # --recipe auto|NAME: choose the recipe, then build it below as if flagged
-        recipe, tuned, donor = _autotune.choose(args, recipe, loaded, gm, calib, heldout, heldout_origins,
+        recipe, tuned, donor, smoothed = _autotune.choose(args, recipe, loaded, gm, calib, heldout, heldout_origins,
                                              module_names, progress, autos)
         quantizer = recipe.quantizer(module_names)
         _check_captured(recipe, gm, module_names)
         t = clock.lap("autotune", t)
     if recipe.smoothquant is not None:
-        gm = quantkit.smooth_quant(gm, calib, alpha=recipe.smoothquant, config=recipe.config())
+        # the search's SmoothQuant graph of the chosen recipe where it made one (the same call)
+        gm = smoothed if smoothed is not None else \
+            quantkit.smooth_quant(gm, calib, alpha=recipe.smoothquant, config=recipe.config())
         t = clock.lap("smoothquant", t)
     fallback = None
     if recipe.accuracy_budget is not None:
