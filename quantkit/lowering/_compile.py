@@ -71,8 +71,9 @@ def compile(converted: GraphModule, *, cpu_kernels: str = "auto", float_dtype: s
             Ignored on CUDA.
         float_dtype: what the ops that are not int8 GEMMs (attention, LayerNorm, GELU,
             softmax, adds, q/dq arithmetic) compute in on CPU: ``"auto"`` runs them in bf16
-            when oneDNN int8 runs on a CPU with AVX-512 BF16 or AMX and the graph's attention
-            (SDPA, float matmuls) is measured faster in bf16 at its shapes (int8-mixed-bf16, see
+            when oneDNN int8 runs on a CPU with AMX (not AVX-512 BF16 alone: slower there) and
+            the graph's attention (SDPA, float matmuls) is measured faster in bf16 at its
+            shapes (int8-mixed-bf16, see
             ``lowering/_bf16.py``; outputs keep their float32 dtype, values differ from the
             reference at bf16 level), else float32; ``"bf16"`` forces bf16, ``"fp32"`` keeps
             float32. Ignored on CUDA.
