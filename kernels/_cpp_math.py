@@ -9,14 +9,15 @@ from __future__ import annotations
 __all__ = ["cephes_expf"]
 
 
-def cephes_expf(name: str, vec: str, ivec: str, *, clamp_high: bool = True) -> str:
+def cephes_expf(name: str, vec: str, ivec: str, *, clamp_high: bool = True, attributes: str = "") -> str:
     """``vec name(vec x)``: exp of each lane, Cephes ``expf`` (range reduction by ln 2 in two parts,
     a degree-6 polynomial; relative error ~1e-7). Lanes below -87 give exactly 0 (a masked score's
     -inf too); with ``clamp_high`` lanes above 88 are clamped there (pass False where the caller
-    guarantees x <= 0). ``vec`` is a float vector type, ``ivec`` the int32 vector of its width."""
+    guarantees x <= 0). ``vec`` is a float vector type, ``ivec`` the int32 vector of its width;
+    ``attributes`` (e.g. ``__attribute__((optimize("fp-contract=fast")))``) go before the function."""
     high = f"  x = x > 88.0f ? ({vec}){{}} + 88.0f : x;\n" if clamp_high else ""
     return (
-        f"static inline {vec} {name}({vec} x) {{\n"
+        f"{attributes + ' ' if attributes else ''}static inline {vec} {name}({vec} x) {{\n"
         f"  const {ivec} lo = x < -87.0f;\n"
         f"  x = lo ? ({vec}){{}} - 87.0f : x;\n"
         f"{high}"

@@ -58,10 +58,14 @@ constexpr int64_t W = 16;
 
 static inline pq_v pq_splat(float a) { return (pq_v){} + a; }
 
+// the erf / exp polynomials may fuse their multiply-adds (Inductor builds with -ffp-contract=off);
+// the steps that repeat the graph's own ops (row scale, bias, column factor, the quantize) do not
+#define PQ_FMA __attribute__((optimize("fp-contract=fast")))
+
 // exp(x), x clamped to [-87, 88]: Cephes expf (_cpp_math.py)
-""" + cephes_expf("pq_exp", "pq_v", "pq_vi") + r"""
+""" + cephes_expf("pq_exp", "pq_v", "pq_vi", attributes="PQ_FMA") + r"""
 // erf(x): Abramowitz-Stegun 7.1.26 (|error| < 1.5e-7), the formula ATen's vectorized erf uses
-static inline pq_v pq_erf(pq_v x) {
+PQ_FMA static inline pq_v pq_erf(pq_v x) {
   const pq_v ax = x < 0.0f ? -x : x;
   const pq_v t = 1.0f / (ax * 0.3275911f + 1.0f);
   pq_v p = pq_splat(1.061405429f);
