@@ -407,8 +407,8 @@ def run_quantize(args, say) -> int:
     _check_captured(recipe, gm, module_names)
     tuned = donor = smoothed = None
     if autos is not None:  # --recipe auto|NAME: choose the recipe, then build it below as if flagged
-        recipe, tuned, donor, smoothed = _autotune.choose(args, recipe, loaded, gm, calib, heldout, heldout_origins,
-                                             module_names, progress, autos)
+        recipe, tuned, donor, smoothed = _autotune.choose(args, recipe, loaded, gm, calib, heldout,
+                                                          heldout_origins, module_names, progress, autos)
         quantizer = recipe.quantizer(module_names)
         _check_captured(recipe, gm, module_names)
         t = clock.lap("autotune", t)

@@ -29,7 +29,7 @@ from torch.fx import GraphModule, Node
 
 from quantkit.kernels import _per_token_quant_cpu
 
-from .._graph import unique_attr_name
+from .._graph import get_attr, unique_attr_name
 from ._bf16 import KEEP_FLOAT32_META_KEY
 from ._lower import Target
 from ._per_token import INT8_KERNEL_META_KEY
@@ -93,9 +93,7 @@ def _const(gm: GraphModule, node) -> Optional[torch.Tensor]:
         inner = _const(gm, node.args[0])
         return inner.to(node.kwargs["dtype"]) if inner is not None and "dtype" in node.kwargs else inner
     if isinstance(node, Node) and node.op == "get_attr":
-        obj = gm
-        for part in node.target.split("."):
-            obj = getattr(obj, part, None)
+        obj = get_attr(gm, node.target)
         return obj if isinstance(obj, torch.Tensor) else None
     return None
 

@@ -16,8 +16,8 @@ float weights and the quantize/dequantize pairs that served only them bypassed, 
 build) it is the real :meth:`build`. Dynamic graphs take the shortcut too: a float layer's input
 bypasses its run-time ``choose_qparams -> quantize -> dequantize`` as a static one bypasses its
 q/dq pair (measured bit-equal to the real builds on per-token MiniLM with SmoothQuant; the default
-search's per-token fallback built 37+ models for real before, ~25 s of its 45 s). The artifact is always built the real
-way.
+search's per-token fallback built 37+ models for real before, ~25 s of its 45 s). The artifact is
+always built the real way.
 """
 
 from __future__ import annotations
@@ -415,7 +415,7 @@ def scoring_copy(gm: GraphModule) -> GraphModule:
 
 def _drop_dead(graph: torch.fx.Graph) -> None:
     """Erase what the rewiring left unused: quantize/dequantize, run-time qparams (a dynamic
-    quantize's ``choose_qparams`` and its ``getitem``\ s), view-like ops and attributes."""
+    quantize's ``choose_qparams`` and the ``getitem`` nodes reading it), view-like ops and attributes."""
     dead_ops = QUANTIZE_OPS | DEQUANTIZE_OPS | CHOOSE_QPARAMS_OPS | _MOVES
 
     def dead(node: Node) -> bool:
