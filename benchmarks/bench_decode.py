@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests._smollm2, benchmarks._decode_peers
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests._smollm2, benchmarks._decode_peers
 
 from benchmarks import _decode_peers as peers  # noqa: E402
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 MS = (16, 128, 1024, 4096, 8192)
 NKS = ((4096, 4096), (11008, 4096), (4096, 11008))

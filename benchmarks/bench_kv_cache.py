@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests._smollm2
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests._smollm2
 
 from quantkit.pipeline._kv_cache import KVScales, build_static_cache, cache_bytes, observe_kv_amax  # noqa: E402
 

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests._smollm2
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests._smollm2
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _llmc_worker
 
 from _llmc_worker import LLMC_ROWS, perplexity  # noqa: E402

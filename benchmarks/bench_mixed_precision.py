@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import quantkit  # noqa: E402
 from bench_models import _bf16, _first, _fresh, _minilm  # noqa: E402  (run as a script: benchmarks/ on sys.path)

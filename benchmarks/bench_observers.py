@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.observers._reference
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # for tests.observers._reference
 
 warnings.filterwarnings("ignore")
 logging.getLogger("torchao").setLevel(logging.ERROR)

@@ -108,6 +108,41 @@ def test_per_token_is_int8_only_where_onednn_is_exact(block, monkeypatch):
     assert ("pertoken_qdq", "fp32") not in vnni.gemms()
 
 
+def test_per_token_quantize_is_a_timed_kernel_with_its_activation(block, monkeypatch):
+    # on VNNI each per-token GEMM input's quantize is planned as one timed kernel, GELU included where
+    # it feeds fc2 (an erf per element is compute-bound: bytes alone put per-token ahead of bf16 on an
+    # AMX Xeon where compiled it was 0.84x bf16, issue 28)
+    _, x, _, q = block
+    _vnni_bf16(monkeypatch, vnni=True, bf16=False)
+    p = _costmodel.plan(q["per-token"], (x,))
+    quants = sorted(k.shape for k, n in p.kernels if k.op == "pertoken_quant" for _ in range(n))
+    assert quants == sorted([(M, 64, ""), (M, 64, ""), (M, 64, ""), (M, 256, "gelu")])
+    # the kernel runs: uint8 integers and one scale per row, GELU applied first
+    run = _costmodel.kernel_runner(_costmodel.Kernel("pertoken_quant", "fp32", (8, 32, "gelu")))()
+    assert run[0].dtype == torch.uint8 and run[0].shape == (8, 32) and run[1].shape == (8, 1)
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_fallback_layers_are_planned_bf16_where_compile_runs_them_so(block, monkeypatch, weights):
+    # compile's float_layers_bf16 runs a fallback layer (bf16 or int8 weight, float input) in bf16 on a
+    # BF16 CPU wherever oneDNN int8 runs; the plan must say so (fp32 there made the fallback recipe look
+    # 3x slower than it runs on an AMX Xeon, issue 28)
+    from quantkit.pipeline._float_fallback import finish_float_layers
+    from quantkit.pipeline._variants import Variants
+
+    model, x, _, _ = block
+    gm = Variants(model, (x[:4],), [(x[i:i + 8],) for i in range(0, 32, 8)], None).build(["linear_2"])
+    finish_float_layers(gm, ["linear_2"], weights=weights)
+    fc1 = (M, 64, 256)
+    _vnni_bf16(monkeypatch, vnni=True, bf16=True)
+    p = _costmodel.plan(gm, (x,))
+    assert [k.dtype for k, n in p.kernels if k.op == "linear" for _ in range(n)] == ["bf16"]
+    assert _linears(p, "linear") == [fc1] and len(_linears(p, "qlinear")) == 3
+    assert [k.dtype for k, _ in _costmodel.plan(gm, (x,), float_dtype="fp32").kernels if k.op == "linear"] == ["fp32"]
+    _vnni_bf16(monkeypatch, vnni=True, bf16=False)
+    assert [k.dtype for k, _ in _costmodel.plan(gm, (x,)).kernels if k.op == "linear"] == ["fp32"]
+
+
 def test_bf16_where_native_and_large_attention_only(block, monkeypatch):
     _, x, gm, q = block
     _vnni_bf16(monkeypatch, vnni=True, bf16=True)

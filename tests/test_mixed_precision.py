@@ -232,6 +232,34 @@ def test_float_layers_to_bf16_with_float32_float_ops(monkeypatch, block):
         assert _rel(gm(x), mixed(x)) < BF16_COMPUTE_TOL
 
 
+def test_int8_weight_float_layers_run_bf16_too(monkeypatch, block):
+    """A fallback layer whose weight is stored int8 (float input, ``dequantize_per_channel`` weight:
+    ``weights="int8"``) computes in bf16 on a BF16 CPU as a bf16-weight one does: its activation and
+    its dequantized weight cast to bf16 (freezing folds the weight's dequantize and cast into one bf16
+    constant), its output cast back; the int8 layers keep their pattern. Against the float32 graph:
+    within the bf16 compute tolerance, the weight's int8 rounding being the same in both."""
+    _, x, reference, _ = block
+    int8w = copy.deepcopy(reference)
+    assert finish_float_layers(int8w, KEEP, weights="int8") == {"stray_qdq_inputs": 0, "int8_weights": 2}
+    monkeypatch.setattr(_bf16, "bf16_supported", lambda: True)
+    gm = copy.deepcopy(int8w)
+    counts = run_lowerings(gm, LoweringContext("cpu", Target.ONEDNN, "auto", torch.float32, "scaled_mm"))
+    assert counts["float_layers_bf16"] == 2 and "to_bf16" not in counts
+    for layer in KEEP:
+        node = next(n for n in gm.graph.nodes if n.name == layer)
+        x_in, w_in = node.args[:2]
+        assert x_in.target is aten._to_copy.default and x_in.kwargs["dtype"] is torch.bfloat16
+        assert w_in.target is aten._to_copy.default and w_in.kwargs["dtype"] is torch.bfloat16
+        dq = w_in.args[0]
+        assert dq.target is torch.ops.quantized_decomposed.dequantize_per_channel.default
+        assert get_attr(gm, dq.args[0].target).dtype == torch.int8
+        (back,) = node.users
+        assert back.target is aten._to_copy.default and back.kwargs["dtype"] is torch.float32
+    assert _int8_linears(gm) == ["linear_1", "linear_3"]
+    with torch.no_grad():
+        assert _rel(gm(x), int8w(x)) < BF16_COMPUTE_TOL
+
+
 def test_compiled_int8_neighbours_keep_their_onednn_kernels(monkeypatch):
     """Inductor on the mixed MLP (fc2 float, bf16 weight, BF16 CPU simulated): fc1 and fc3 are still
     onednn.qlinear_pointwise; fc2 computes in bf16. 7-bit activations make oneDNN exact on any x86

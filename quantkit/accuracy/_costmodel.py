@@ -12,7 +12,10 @@ graph's GEMMs (linear ``M x K x N``, float matmuls, SDPA), decides how each one 
 - else the reference graph: a float GEMM plus the quantize/dequantize arithmetic around it (and the
   int8 weight's dequantize, each call: the reference graph is compiled without freezing);
 - ``quantkit::int8_sdpa_cpu`` for an SDPA on static int8 q, k, v (``lowering/_qsdpa.py``);
-- float GEMMs and attention in bf16 where compile runs bf16 (``resolve_float_dtype``), else fp32 --
+- float GEMMs and attention in bf16 where compile runs bf16 (``resolve_float_dtype``), else fp32;
+  a fallback layer's GEMM (bf16 or int8 weight, float input) in bf16 wherever oneDNN int8 runs on a
+  BF16 CPU (compile's ``float_layers_bf16``); a per-token GEMM input's quantize (with the GELU before
+  it) as ``quantkit::per_token_quant_cpu`` runs it --
 
 times each distinct raw kernel at its shape once (microseconds to milliseconds; cached per
 machine by the caller), adds the elementwise rest as bytes moved over this CPU's measured copy
@@ -28,6 +31,7 @@ models did on the tests' MLP and transformer block (MiniLM 8x128: the same excep
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import time
@@ -39,10 +43,13 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
+from quantkit.kernels import _per_token_quant_cpu as ptq
+
 from .._graph import DEQUANTIZE_OPS, QUANTIZE_OPS
 from ..lowering._bf16 import bf16_supported, resolve_float_dtype
 from ..lowering._onednn import exact_for_graph, exact_on_this_cpu
 from ..lowering._qsdpa import SHAPE_OPS as _QSDPA_SHAPE_OPS, kernel_status as qsdpa_status
+from ..pipeline._float_fallback import bf16_weight_source, int8_weight_source
 from ..pipeline._inputs import as_args_kwargs
 
 __all__ = ["Kernel", "Plan", "plan", "estimate_ms", "cpu_support_line", "time_call", "time_kernel", "kernel_runner", "machine_runner", "node_shapes",
@@ -82,7 +89,9 @@ class Kernel:
     """One raw kernel at one shape: ``op`` is ``linear`` (shape ``(M, K, N)``), ``qlinear``
     (oneDNN int8, ``(M, K, N)``), ``matmul`` (``(a shape, b shape)``), ``sdpa`` (``(q, k, v
     shapes, mask shape or ())``), ``qsdpa`` (``quantkit::int8_sdpa_cpu``, the same shape) or
-    ``pertoken_qdq`` (the reference per-token choose/quantize/dequantize of an ``(M, K)`` activation); ``dtype`` what it computes in (``fp32``, ``bf16``; ``qlinear``'s
+    ``pertoken_qdq`` (the reference per-token choose/quantize/dequantize of an ``(M, K)`` activation),
+    ``pertoken_quant`` (the per-token int8 quantize of an ``(M, K)`` activation before a oneDNN GEMM, with the
+    activation step before it or ``""``: ``(M, K, step)``); ``dtype`` what it computes in (``fp32``, ``bf16``; ``qlinear``'s
     is its output's)."""
 
     op: str
@@ -190,6 +199,31 @@ def _per_token_chain(dq: Node) -> set[str]:
     return names
 
 
+# the activations a per-token quantize's prologue applies in quantkit::per_token_quant_cpu
+_ACTIVATION_STEPS = {aten.gelu.default: "gelu", aten.relu.default: "relu"}
+# ops between an activation and the quantize that cost nothing beside it (the kernel's column factor,
+# bf16 round trips, views)
+_PASS_THROUGH = {aten.mul.Tensor, aten.div.Tensor, aten._to_copy.default} | _FREE
+
+
+def _activation_before(x) -> str:
+    """The activation step (``"gelu"``, ``"gelu_tanh"``, ``"relu"``) a per-token quantize of ``x``
+    applies first in ``quantkit::per_token_quant_cpu``, or ``""`` (a LayerNorm, an attention output)."""
+    for _ in range(8):
+        if not isinstance(x, Node) or x.op != "call_function":
+            return ""
+        step = _ACTIVATION_STEPS.get(x.target)
+        if step == "gelu":
+            approx = x.kwargs.get("approximate", x.args[1] if len(x.args) > 1 else "none")
+            return "gelu_tanh" if approx == "tanh" else "gelu"
+        if step:
+            return step
+        if x.target not in _PASS_THROUGH or not x.args:
+            return ""
+        x = x.args[0]
+    return ""
+
+
 def _int8_attention(sdpa: Node) -> bool:
     """Whether compile lowers this SDPA to ``quantkit::int8_sdpa_cpu`` (lowering/_qsdpa.py): static
     per-tensor dequantized q, k and v (through head-split views), and the kernel builds here."""
@@ -222,6 +256,7 @@ def plan(gm: GraphModule, inputs: Any, *, cpu_kernels: str = "auto", float_dtype
     # per-token / dynamic int8 GEMMs run oneDNN wherever the static ones do (exact_for_graph: VNNI/AMX,
     # or 7-bit weights on AVX2), or where cpu_kernels="onednn" forces it
     dyn_int8 = target == "onednn"
+    float_layers_bf16 = target == "onednn" and bf16_supported() and float_dtype not in ("fp32", torch.float32)
 
     def shape(a) -> tuple[int, ...] | None:
         if isinstance(a, Node) and a.name in shapes:
@@ -230,6 +265,7 @@ def plan(gm: GraphModule, inputs: Any, *, cpu_kernels: str = "auto", float_dtype
 
     kernels: Counter = Counter()
     absorbed: set[str] = set()  # q/dq nodes an int8 kernel takes in (no elementwise pass of their own)
+    quantized_inputs: set = set()  # dynamic activation quantizes already counted
     extra = 0  # bytes of q/dq work the classification adds
     for n in gm.graph.nodes:
         if n.op != "call_function":
@@ -246,10 +282,26 @@ def plan(gm: GraphModule, inputs: Any, *, cpu_kernels: str = "auto", float_dtype
             if x_dq and w_dq and target == "onednn" and (not dynamic or dyn_int8):
                 kernels[Kernel("qlinear", _dt(dtype), (m, k, nn))] += 1
                 absorbed.update({x.name, w.name})
-                if dynamic:  # the row (or tensor) amax and the quantize read x twice; the scale mul writes y
-                    extra += m * k * (2 * fsize + 1) + m * nn * 2 * fsize
+                if dynamic:
+                    extra += m * nn * 2 * fsize  # the per-token (or tensor) scale multiplies the GEMM's output
+                    q = x.args[0]
+                    if x.target in _PER_TOKEN_DQ and isinstance(q, Node) and q.args:
+                        if q.name not in quantized_inputs:  # siblings reading one quantize (q/k/v) share it
+                            quantized_inputs.add(q.name)
+                            # the row amax + quantize (with a GELU or ReLU before it, where one feeds it):
+                            # timed as the kernel runs it, not as bytes (the GELU's erf is compute-bound:
+                            # 5.3 ms of 4096x1536 on the AMX Xeon, ~6x its bytes' time; issue 28)
+                            kernels[Kernel("pertoken_quant", "fp32", (m, k, _activation_before(q.args[0])))] += 1
+                            absorbed.update(_per_token_chain(x) - {x.name})
+                    elif not isinstance(q, Node) or q.name not in quantized_inputs:
+                        quantized_inputs.add(getattr(q, "name", None))  # per-tensor: the amax and quantize read x
+                        extra += m * k * (2 * fsize + 1)
             else:
-                kernels[Kernel("linear", _dt(dtype), (m, k, nn))] += 1
+                # a fallback layer with a bf16 or int8 weight runs bf16 where compile's float_layers_bf16
+                # pass runs (oneDNN int8 on a BF16 CPU, float32 not asked for)
+                fallback_bf16 = float_layers_bf16 and not x_dq and (
+                    bf16_weight_source(w) is not None or int8_weight_source(n) is not None)
+                kernels[Kernel("linear", "bf16" if fallback_bf16 else _dt(dtype), (m, k, nn))] += 1
                 if x_dq and x.target in _PER_TOKEN_DQ:
                     # the reference per-token chain (row amax, scales, quantize, dequantize) is far slower
                     # compiled than its bytes say (measured, benchmarks/bench_costmodel.py): timed as it runs
@@ -354,6 +406,21 @@ def kernel_runner(kernel: Kernel) -> Callable[[], Any]:
             s, z = _Q.choose_qparams_per_token(x, torch.int8)
             q = _Q.quantize_per_token(x, s, z, -128, 127, torch.int8)
             return _Q.dequantize_per_token(q, s, z, -128, 127, torch.int8, torch.float32)
+
+        return run
+    if kernel.op == "pertoken_quant":
+        m, k, act = kernel.shape
+        x = torch.randn((m, k), generator=g)
+        if ptq.available():  # what compile runs for a per-token GEMM's input (lowering/_per_token_fuse.py)
+            steps = ["mul_row", "add_col", act] if act else []
+            row, cols = (torch.rand(m, 1, generator=g), [torch.randn(k, generator=g)]) if act else (None, [])
+            return lambda: ptq.per_token_quant_cpu(x, steps, row_scale=row, cols=cols)
+        fn = {"gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh"), "relu": F.relu}.get(act)
+
+        def run():  # Inductor's loop instead: the same arithmetic, one eager op at a time (an upper bound)
+            v = fn(x) if fn else x
+            s = v.abs().amax(-1, keepdim=True).clamp_min(1e-5) / 127
+            return (v * s.reciprocal()).round().clamp(-128, 127).add(128).to(torch.uint8), s
 
         return run
     if kernel.op == "qsdpa":
