@@ -267,6 +267,7 @@ def plan(gm: GraphModule, inputs: Any, *, cpu_kernels: str = "auto", float_dtype
     absorbed: set[str] = set()  # q/dq nodes an int8 kernel takes in (no elementwise pass of their own)
     quantized_inputs: set = set()  # dynamic activation quantizes already counted
     extra = 0  # bytes of q/dq work the classification adds
+    extra_ops = 0  # and its elementwise ops (a fallback layer's bf16 casts)
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
@@ -302,6 +303,9 @@ def plan(gm: GraphModule, inputs: Any, *, cpu_kernels: str = "auto", float_dtype
                 fallback_bf16 = float_layers_bf16 and not x_dq and (
                     bf16_weight_source(w) is not None or int8_weight_source(n) is not None)
                 kernels[Kernel("linear", "bf16" if fallback_bf16 else _dt(dtype), (m, k, nn))] += 1
+                if fallback_bf16 and dtype == torch.float32:  # its input cast to bf16, its output back
+                    extra += m * k * (4 + 2) + m * nn * (2 + 4)
+                    extra_ops += 2
                 if x_dq and x.target in _PER_TOKEN_DQ:
                     # the reference per-token chain (row amax, scales, quantize, dequantize) is far slower
                     # compiled than its bytes say (measured, benchmarks/bench_costmodel.py): timed as it runs
@@ -324,7 +328,7 @@ def plan(gm: GraphModule, inputs: Any, *, cpu_kernels: str = "auto", float_dtype
                 kernels[Kernel("qsdpa", "fp32", (q, k, v, shape(mask) or ()))] += 1
             else:
                 kernels[Kernel("sdpa", _dt(dtype), (q, k, v, shape(mask) or ()))] += 1
-    moved, ops = extra, 0
+    moved, ops = extra, extra_ops
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target in _FREE or n.name in absorbed or n.name not in shapes:
             continue

@@ -301,7 +301,8 @@ def summary_line(doc: dict) -> str:
     s = doc.get("speed") or {}
     speed = ""
     if "vs_fp32" in s:
-        speed = f"; compiled {s['int8_ms']:.1f} ms per batch = {s['vs_fp32']:.2f}x fp32"
+        how = "estimated" if str(doc.get("latency_note", "")).startswith("estimated") else "compiled"
+        speed = f"; {how} {s['int8_ms']:.1f} ms per batch compiled = {s['vs_fp32']:.2f}x fp32"
         if s.get("vs_bf16"):  # only where bf16 is native: Meter.floats gives no bf16_ms elsewhere
             speed += f", {s['vs_bf16']:.2f}x bf16"
     return f"recipe {doc['chosen']} ({doc['reason']}){speed}"
