@@ -260,6 +260,26 @@ def test_int8_weight_float_layers_run_bf16_too(monkeypatch, block):
         assert _rel(gm(x), int8w(x)) < BF16_COMPUTE_TOL
 
 
+def test_auto_runs_float_ops_bf16_on_amx_for_a_graph_with_bf16_fallback_layers(monkeypatch, block):
+    """On an AMX CPU (simulated) ``"auto"`` runs every float op in bf16 for a graph whose fallback layers
+    compute in bf16 anyway (bf16 or int8 weights: no casts around each of them), even where the
+    attention alone is too small for bf16 (this block's); float32-weight fallback layers and a
+    CPU without AMX keep float32."""
+    _, _, reference, mixed = block
+    int8w = copy.deepcopy(reference)
+    finish_float_layers(int8w, KEEP, weights="int8")
+    monkeypatch.setattr(_bf16, "bf16_supported", lambda: True)
+    monkeypatch.setattr(_bf16, "cpu_has", lambda flag: flag in ("avx512_bf16", "amx_bf16"))
+    assert not _bf16.bf16_attention_faster(reference)
+    assert _bf16.resolve_float_dtype("auto", onednn=True, graph=reference) is torch.float32
+    for gm in (mixed, int8w):
+        assert _bf16.has_bf16_float_layers(gm)
+        assert _bf16.resolve_float_dtype("auto", onednn=True, graph=gm) is torch.bfloat16
+        assert _bf16.resolve_float_dtype("fp32", onednn=True, graph=gm) is torch.float32
+    monkeypatch.setattr(_bf16, "cpu_has", lambda flag: flag == "avx512_bf16")  # a Zen 4
+    assert _bf16.resolve_float_dtype("auto", onednn=True, graph=mixed) is torch.float32
+
+
 def test_compiled_int8_neighbours_keep_their_onednn_kernels(monkeypatch):
     """Inductor on the mixed MLP (fc2 float, bf16 weight, BF16 CPU simulated): fc1 and fc3 are still
     onednn.qlinear_pointwise; fc2 computes in bf16. 7-bit activations make oneDNN exact on any x86
@@ -275,7 +295,11 @@ def test_compiled_int8_neighbours_keep_their_onednn_kernels(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         y, code = run_and_get_code(fast, x)
-    assert fast._orig_mod.meta["quantkit_lowering"]["float_layers_bf16"] == 1
+    lowering = fast._orig_mod.meta["quantkit_lowering"]
+    if _bf16.resolve_float_dtype("auto", onednn=True, graph=gm) is torch.bfloat16:  # AMX: every float op bf16
+        assert lowering["to_bf16"] > 0 and "float_layers_bf16" not in lowering
+    else:  # only the kept GEMM in bf16
+        assert lowering["float_layers_bf16"] == 1 and "to_bf16" not in lowering
     assert torch._dynamo.utils.counters["inductor"]["qlinear_weight_prepack_matcher_count"] == 2
     qlinears = [line for line in "\n".join(code).splitlines() if "torch.ops.onednn.qlinear_pointwise" in line]
     assert len(qlinears) == 2, qlinears
