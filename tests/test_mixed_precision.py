@@ -201,6 +201,17 @@ def test_bf16_float_ops_read_the_bf16_weights(block):
     assert _rel(out, mixed(x)) < BF16_COMPUTE_TOL
 
 
+def _bf16_layer_inputs(gm, layer: str) -> tuple:
+    """The args of a kept layer that computes in bf16, after checking its activation is cast to bf16
+    and its one reader casts the output back to float32."""
+    node = next(n for n in gm.graph.nodes if n.name == layer)
+    x_in = node.args[0]
+    assert x_in.target is aten._to_copy.default and x_in.kwargs["dtype"] is torch.bfloat16
+    (back,) = node.users
+    assert back.target is aten._to_copy.default and back.kwargs["dtype"] is torch.float32
+    return node.args
+
+
 def test_float_layers_to_bf16_with_float32_float_ops(monkeypatch, block):
     """The registered pass on a BF16 CPU (simulated) with the other float ops in float32: only the
     kept GEMMs compute in bf16; nothing on a CPU without BF16, with the reference graph, or where
@@ -220,13 +231,9 @@ def test_float_layers_to_bf16_with_float32_float_ops(monkeypatch, block):
     counts = run_lowerings(gm, ctx(torch.float32))
     assert counts["float_layers_bf16"] == 2 and "to_bf16" not in counts
     for layer in KEEP:
-        node = next(n for n in gm.graph.nodes if n.name == layer)
-        x_in, w_in, b_in = node.args[:3]
-        assert x_in.target is aten._to_copy.default and x_in.kwargs["dtype"] is torch.bfloat16
+        w_in, b_in = _bf16_layer_inputs(gm, layer)[1:3]
         assert w_in.op == "get_attr" and get_attr(gm, w_in.target).dtype == torch.bfloat16
         assert b_in.kwargs["dtype"] is torch.bfloat16
-        (back,) = node.users
-        assert back.target is aten._to_copy.default and back.kwargs["dtype"] is torch.float32
     assert _int8_linears(gm) == ["linear_1", "linear_3"]
     with torch.no_grad():
         assert _rel(gm(x), mixed(x)) < BF16_COMPUTE_TOL
@@ -246,15 +253,11 @@ def test_int8_weight_float_layers_run_bf16_too(monkeypatch, block):
     counts = run_lowerings(gm, LoweringContext("cpu", Target.ONEDNN, "auto", torch.float32, "scaled_mm"))
     assert counts["float_layers_bf16"] == 2 and "to_bf16" not in counts
     for layer in KEEP:
-        node = next(n for n in gm.graph.nodes if n.name == layer)
-        x_in, w_in = node.args[:2]
-        assert x_in.target is aten._to_copy.default and x_in.kwargs["dtype"] is torch.bfloat16
+        w_in = _bf16_layer_inputs(gm, layer)[1]
         assert w_in.target is aten._to_copy.default and w_in.kwargs["dtype"] is torch.bfloat16
         dq = w_in.args[0]
         assert dq.target is torch.ops.quantized_decomposed.dequantize_per_channel.default
         assert get_attr(gm, dq.args[0].target).dtype == torch.int8
-        (back,) = node.users
-        assert back.target is aten._to_copy.default and back.kwargs["dtype"] is torch.float32
     assert _int8_linears(gm) == ["linear_1", "linear_3"]
     with torch.no_grad():
         assert _rel(gm(x), int8w(x)) < BF16_COMPUTE_TOL
