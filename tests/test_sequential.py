@@ -134,8 +134,8 @@ def _logits(model, batch):
 
 _CHILD = textwrap.dedent("""
     import sys, torch
-    sys.path.insert(0, {tests!r})
-    from test_sequential import _batches
+    sys.path.append({root!r})  # appended: tests/kernels/ must not shadow the hub package transformers imports
+    from tests.test_sequential import _batches
     from quantkit.sequential._run import quantize_pretrained
     quantize_pretrained({model!r}, _batches("llama"), out={out!r}, sequential=True, progress=False)
 """)
@@ -145,7 +145,7 @@ def test_interrupted_run_resumes_to_the_same_artifact(checkpoints, llama_artifac
     path, full = checkpoints["llama"], llama_artifact
     out = tmp_path / "resumed"
     env = {**os.environ, _sequential.KILL_AFTER_ENV: "1"}  # SIGKILL once head and layer 0 are done
-    code = _CHILD.format(tests=os.path.dirname(__file__), model=str(path), out=str(out))
+    code = _CHILD.format(root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), model=str(path), out=str(out))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert not out.exists()
