@@ -75,6 +75,22 @@ def test_bf16_input_and_bf16_rounding_step():
     assert (q2 != q).any()
 
 
+def test_bf16_step_rounds_as_torch_does_bit_for_bit():
+    # ties to even included: values halfway between two bf16 numbers, both signs, and a row whose amax
+    # is itself a rounded value; with only bf16 steps the kernel's arithmetic is exact
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(32, 96, generator=gen) * 10
+    bits = x.view(torch.int32)
+    x[:, :32] = ((bits[:, :32] & ~0xFFFF) | 0x8000).view(torch.float32)  # exact ties
+    x[:, 32:40] = ((bits[:, 32:40] & ~0xFFFF) | 0x7FFF).view(torch.float32)  # just below a tie
+    q, s = ptq.per_token_quant_cpu(x, ["bf16"])
+    # torch's own bf16 rounding, then the float32 ops of the reference quantize (_per_token._quantize)
+    v = x.bfloat16().float()
+    scale = v.abs().amax(-1, keepdim=True).clamp_min(1e-5) / 127
+    qr = torch.clamp(torch.round(v * torch.reciprocal(scale)), -128, 127) + 128
+    assert torch.equal(s, scale) and torch.equal(q, qr.to(torch.uint8))
+
+
 def test_no_steps_is_plain_per_token_quantize_and_zero_rows():
     x = torch.randn(9, 33)
     x[3] = 0
