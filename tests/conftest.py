@@ -24,8 +24,30 @@ if not torch.cuda.is_available():
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _shadowed_kernels() -> str | None:
+    """Where ``import kernels`` resolves when a folder of this repository (``kernels/``, ``tests/kernels/``)
+    shadows the installed ``kernels`` package that transformers >= 5.25 imports, else None."""
+    import importlib.metadata
+    import importlib.util
+
+    try:
+        importlib.metadata.version("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return None  # nothing to shadow: transformers does not import it then
+    spec = importlib.util.find_spec("kernels")
+    origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
+    return str(origin) if origin is not None and REPO in origin.parents else None
+
+
 def pytest_configure(config):
-    """With QUANTKIT_TEST_INSTALLED=1 (CI), refuse to test anything but an installed, non-editable quantkit."""
+    """A shadowed ``kernels`` package is refused in one line (transformers would fail in many tests with
+    an ImportError); with QUANTKIT_TEST_INSTALLED=1 (CI), so is anything but an installed, non-editable
+    quantkit."""
+    shadow = _shadowed_kernels()
+    if shadow:
+        raise pytest.UsageError(f"`import kernels` finds {shadow}, not the installed package transformers imports: "
+                                "the repository root or tests/ is first on sys.path; run `pytest -q` (not "
+                                "`python -m pytest`), or set PYTHONSAFEPATH=1")
     if os.environ.get("QUANTKIT_TEST_INSTALLED") != "1":
         return
     import importlib.util
