@@ -46,10 +46,9 @@ from torch.fx import GraphModule, Node
 from quantkit.kernels import _per_token_quant_cpu as ptq
 
 from .._graph import DEQUANTIZE_OPS, QUANTIZE_OPS
-from ..lowering._bf16 import bf16_supported, resolve_float_dtype
+from ..lowering._bf16 import bf16_float_layer, bf16_supported, resolve_float_dtype
 from ..lowering._onednn import exact_for_graph, exact_on_this_cpu
 from ..lowering._qsdpa import SHAPE_OPS as _QSDPA_SHAPE_OPS, kernel_status as qsdpa_status
-from ..pipeline._float_fallback import bf16_weight_source, int8_weight_source
 from ..pipeline._inputs import as_args_kwargs
 
 __all__ = ["Kernel", "Plan", "plan", "estimate_ms", "cpu_support_line", "time_call", "time_kernel", "kernel_runner", "machine_runner", "node_shapes",
@@ -256,6 +255,7 @@ def plan(gm: GraphModule, inputs: Any, *, cpu_kernels: str = "auto", float_dtype
     # per-token / dynamic int8 GEMMs run oneDNN wherever the static ones do (exact_for_graph: VNNI/AMX,
     # or 7-bit weights on AVX2), or where cpu_kernels="onednn" forces it
     dyn_int8 = target == "onednn"
+    # the conditions of compile's float_layers_bf16 pass (lowering/_bf16.lower_float_layers_bf16)
     float_layers_bf16 = target == "onednn" and bf16_supported() and float_dtype not in ("fp32", torch.float32)
 
     def shape(a) -> tuple[int, ...] | None:
@@ -265,7 +265,7 @@ def plan(gm: GraphModule, inputs: Any, *, cpu_kernels: str = "auto", float_dtype
 
     kernels: Counter = Counter()
     absorbed: set[str] = set()  # q/dq nodes an int8 kernel takes in (no elementwise pass of their own)
-    quantized_inputs: set = set()  # dynamic activation quantizes already counted
+    quantized_inputs: set = set()  # the quantize nodes of dynamic activations already counted
     extra = 0  # bytes of q/dq work the classification adds
     extra_ops = 0  # and its elementwise ops (a fallback layer's bf16 casts)
     for n in gm.graph.nodes:
@@ -286,22 +286,20 @@ def plan(gm: GraphModule, inputs: Any, *, cpu_kernels: str = "auto", float_dtype
                 if dynamic:
                     extra += m * nn * 2 * fsize  # the per-token (or tensor) scale multiplies the GEMM's output
                     q = x.args[0]
-                    if x.target in _PER_TOKEN_DQ and isinstance(q, Node) and q.args:
-                        if q.name not in quantized_inputs:  # siblings reading one quantize (q/k/v) share it
-                            quantized_inputs.add(q.name)
+                    if q not in quantized_inputs:  # siblings reading one quantize (q/k/v) share it
+                        quantized_inputs.add(q)
+                        if x.target in _PER_TOKEN_DQ and isinstance(q, Node) and q.args:
                             # the row amax + quantize (with a GELU or ReLU before it, where one feeds it):
                             # timed as the kernel runs it, not as bytes (the GELU's erf is compute-bound:
                             # 5.3 ms of 4096x1536 on the AMX Xeon, ~6x its bytes' time; issue 28)
                             kernels[Kernel("pertoken_quant", "fp32", (m, k, _activation_before(q.args[0])))] += 1
                             absorbed.update(_per_token_chain(x) - {x.name})
-                    elif not isinstance(q, Node) or q.name not in quantized_inputs:
-                        quantized_inputs.add(getattr(q, "name", None))  # per-tensor: the amax and quantize read x
-                        extra += m * k * (2 * fsize + 1)
+                        else:  # per-tensor: the amax and the quantize read x
+                            extra += m * k * (2 * fsize + 1)
             else:
                 # a fallback layer with a bf16 or int8 weight runs bf16 where compile's float_layers_bf16
                 # pass runs (oneDNN int8 on a BF16 CPU, float32 not asked for)
-                fallback_bf16 = float_layers_bf16 and not x_dq and (
-                    bf16_weight_source(w) is not None or int8_weight_source(n) is not None)
+                fallback_bf16 = float_layers_bf16 and not x_dq and bf16_float_layer(n)
                 kernels[Kernel("linear", "bf16" if fallback_bf16 else _dt(dtype), (m, k, nn))] += 1
                 if fallback_bf16 and dtype == torch.float32:  # its input cast to bf16, its output back
                     extra += m * k * (4 + 2) + m * nn * (2 + 4)

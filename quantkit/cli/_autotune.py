@@ -268,7 +268,7 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
     doc = {"mode": "auto" if auto_mode else "forced", "metric": key, "target": target,
            "chosen": chosen.recipe, "met": chosen.status == "met", "reason": reason,
            "trials": [dataclasses.asdict(t) for t in trials], "speed": speed, "verdict": verdict,
-           "latency_sources": sources, "cpu_note": cpu_note,
+           "latency_sources": sources, "latency_estimated": estimated, "cpu_note": cpu_note,
            "latency_note": how + ", cached in " + str(_latency.cache_path()),
            "cache_notes": list(meter.notes) if meter is not None else []}
     if not auto_mode:
@@ -301,7 +301,7 @@ def summary_line(doc: dict) -> str:
     s = doc.get("speed") or {}
     speed = ""
     if "vs_fp32" in s:
-        how = "estimated" if str(doc.get("latency_note", "")).startswith("estimated") else "compiled"
+        how = "estimated" if doc.get("latency_estimated") else "compiled"
         speed = f"; {how} {s['int8_ms']:.1f} ms per batch compiled = {s['vs_fp32']:.2f}x fp32"
         if s.get("vs_bf16"):  # only where bf16 is native: Meter.floats gives no bf16_ms elsewhere
             speed += f", {s['vs_bf16']:.2f}x bf16"

@@ -34,7 +34,7 @@ from .._graph import get_attr
 from ..pipeline._float_fallback import bf16_weight_source, float_gemms, int8_weight_source
 from ._registry import LoweringContext, register_lowering
 
-__all__ = ["FLOAT_DTYPES", "KEEP_FLOAT32_META_KEY", "bf16_supported", "bf16_float_ops_pay", "bf16_attention_faster", "has_bf16_float_layers", "resolve_float_dtype", "float_ops_to_bf16",
+__all__ = ["FLOAT_DTYPES", "KEEP_FLOAT32_META_KEY", "bf16_supported", "bf16_float_ops_pay", "bf16_attention_faster", "bf16_float_layer", "has_bf16_float_layers", "resolve_float_dtype", "float_ops_to_bf16",
            "float_layers_to_bf16", "lower_bf16", "lower_float_layers_bf16"]
 
 aten = torch.ops.aten
@@ -131,6 +131,12 @@ def _macs(node: Node) -> int:
     return batch * a[-2] * a[-1] * b[-1]
 
 
+def bf16_float_layer(layer: Node) -> bool:
+    """Whether the float GEMM ``layer`` is one :func:`float_layers_to_bf16` runs in bf16: its weight
+    stored in bf16 (read through a float32 cast) or in int8 (read through its dequantize)."""
+    return any(bf16_weight_source(a) is not None for a in layer.args) or int8_weight_source(layer) is not None
+
+
 def has_bf16_float_layers(gm: GraphModule) -> bool:
     """Whether ``gm`` has float fallback GEMMs that compile runs in bf16 anyway (a bf16 or int8 stored
     weight, ``float_layers_to_bf16``): with the other float ops in float32 each of them pays a cast
@@ -138,8 +144,7 @@ def has_bf16_float_layers(gm: GraphModule) -> bool:
     Measured on an AMX Xeon, 2 threads, the bundled all-MiniLM-L6-v2 fallback (24 of 37 linears
     float, int8 weights) compiled: 107 ms with bf16 float ops against 157 ms with float32 ones at
     32x128 tokens, 22.0 against 22.2 ms at 32x18 (whose small attention alone keeps float32; issue 28)."""
-    return any(bf16_weight_source(a) is not None for layer in float_gemms(gm) for a in layer.args) or \
-        any(int8_weight_source(layer) is not None for layer in float_gemms(gm))
+    return any(map(bf16_float_layer, float_gemms(gm)))
 
 
 def bf16_attention_faster(gm: GraphModule) -> bool:
@@ -284,7 +289,7 @@ def float_layers_to_bf16(gm: GraphModule) -> dict[str, int]:
     graph = gm.graph
     done = 0
     for layer in float_gemms(gm):
-        if not (any(bf16_weight_source(a) is not None for a in layer.args) or int8_weight_source(layer) is not None):
+        if not bf16_float_layer(layer):
             continue
 
         def to_bf16(a, layer=layer):
