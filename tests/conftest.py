@@ -36,7 +36,8 @@ def _shadowed_kernels() -> str | None:
         return None  # nothing to shadow: transformers does not import it then
     spec = importlib.util.find_spec("kernels")
     origin = Path(spec.origin).resolve() if spec is not None and spec.origin else None
-    return str(origin) if origin is not None and REPO in origin.parents else None
+    # our folders only: a virtual environment inside the checkout (the README's .venv) holds the real one
+    return str(origin) if origin is not None and origin.parent in (REPO / "kernels", REPO / "tests" / "kernels") else None
 
 
 def pytest_configure(config):
