@@ -121,6 +121,12 @@ class QuantkitObserver(ObserverBase):
     # calculate_qparams as torchao's convert_pt2e would (torchao's return defaults and warn).
     requires_calibration: bool = True
 
+    # True where observing a tensor it has already seen leaves every statistic as it is (a running
+    # min/max): a graph whose every such observer watches a constant (a weight) then calibrates in
+    # one batch as in many (quantkit.pipeline._calibrate.one_batch_suffices). False by default: a
+    # moving average, a histogram or a batch count changes with each repeat.
+    repeat_invariant: bool = False
+
     # recorded by quantkit.prepare for observers of [batch, ..., tokens, ...] activations:
     # one (layout, token axis) pair per call site, a layout being the tensor's sizes with
     # None for symbolic ones (_tokens.FLAT for [batch * tokens, ...] rows); calibration then

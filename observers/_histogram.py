@@ -308,6 +308,8 @@ class PerChannelMSEObserver(PerChannelMinMaxObserver):
         bins: bins per channel; 256 by default (a weight row has ~10³ values).
     """
 
+    repeat_invariant = False  # the histograms add every repeat
+
     def __init__(self, ch_axis: int = 0, bins: int = 256, dtype=torch.quint8,
                  qscheme=torch.per_channel_affine, **kwargs) -> None:
         super().__init__(ch_axis=ch_axis, dtype=dtype, qscheme=qscheme, **kwargs)

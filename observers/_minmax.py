@@ -35,6 +35,8 @@ class MinMaxObserver(QuantkitObserver):
     Merging takes the min of minima and the max of maxima, so it is exact.
     """
 
+    repeat_invariant = True  # min(a, a) == a
+
     def __init__(self, dtype=torch.quint8, qscheme=torch.per_tensor_affine, **kwargs) -> None:
         super().__init__(dtype=dtype, qscheme=qscheme, **kwargs)
         self.register_buffer("min_val", torch.tensor(float("inf")))
@@ -70,6 +72,8 @@ class MovingAverageMinMaxObserver(MinMaxObserver):
     torchao). Merging averages the two states weighted by their batch counts; it is
     exact when both sides saw one batch each, and an approximation otherwise.
     """
+
+    repeat_invariant = False  # num_batches counts every repeat
 
     def __init__(self, averaging_constant: float = 0.01, dtype=torch.quint8,
                  qscheme=torch.per_tensor_affine, **kwargs) -> None:
@@ -112,6 +116,8 @@ class PerChannelMinMaxObserver(QuantkitObserver):
 
     Gives the same qparams as torchao's ``PerChannelMinMaxObserver``. Merging is exact.
     """
+
+    repeat_invariant = True  # min(a, a) == a
 
     def __init__(self, ch_axis: int = 0, dtype=torch.quint8,
                  qscheme=torch.per_channel_affine, **kwargs) -> None:
@@ -174,6 +180,8 @@ class PerChannelMinMaxObserver(QuantkitObserver):
 class MovingAveragePerChannelMinMaxObserver(PerChannelMinMaxObserver):
     """Per-channel exponential moving average of minima and maxima (see
     :class:`MovingAverageMinMaxObserver` for the update and merge rules)."""
+
+    repeat_invariant = False  # num_batches counts every repeat
 
     def __init__(self, averaging_constant: float = 0.01, ch_axis: int = 0, dtype=torch.quint8,
                  qscheme=torch.per_channel_affine, **kwargs) -> None:

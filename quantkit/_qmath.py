@@ -33,6 +33,8 @@ __all__ = [
     "quantize",
     "dequantize",
     "fake_quantize",
+    "fake_quantize_fused",
+    "fake_quantize_per_token",
     "sqnr",
     "NF4_VALUES",
     "group_min_max",
@@ -323,6 +325,38 @@ def fake_quantize(x, scale, zero_point, quant_min, quant_max, dtype, axis=None) 
         quantize(x, scale, zero_point, quant_min, quant_max, dtype, axis),
         scale, zero_point, quant_min, quant_max, dtype, axis,
     )
+
+
+def fake_quantize_fused(x: torch.Tensor, inv_scale: float, scale: float, zero_point: int, quant_min: int,
+                        quant_max: int) -> torch.Tensor:
+    """``dequantize_per_tensor(quantize_per_tensor(x))`` (float32, 8-bit integers) in one buffer and
+    four passes: the values of ``(clamp(round(x * (1/s)) + zp, qmin, qmax) - zp) * s`` without the
+    integer tensor in between (``inv_scale`` is ``1.0 / scale``, as the op computes it).
+    ``r = round(x * (1/s))`` is clamped to ``[qmin - zp, qmax - zp]`` directly: for ``|r| < 2**24``
+    adding and subtracting the integer ``zp`` is exact in float32, and a larger ``|r|`` lies beyond
+    both bounds either way, so every value is equal (``==``); only a small negative input that
+    rounds to zero keeps the sign, ``-0.0``, which no sum, product or norm downstream can tell from
+    ``0.0``. (NaN stays NaN, where the integer tensor would hold some integer: a search scores a
+    non-finite output as failing either way.)"""
+    t = torch.mul(x, inv_scale)
+    return t.round_().clamp_(quant_min - zero_point, quant_max - zero_point).mul_(scale)
+
+
+# choose_qparams_per_token's floor on a row's absolute maximum, and its divisor (int8 only)
+_PER_TOKEN_AMAX_FLOOR, _PER_TOKEN_DIVISOR = 1e-5, 127
+
+
+def fake_quantize_per_token(x: torch.Tensor, quant_min: int = -128, quant_max: int = 127) -> torch.Tensor:
+    """``dequantize_per_token(quantize_per_token(x, *choose_qparams_per_token(x, int8)))`` for float32
+    ``x``, in four passes over ``x`` and no integer tensor: each row (last dimension) is scaled by
+    ``s = max(amax, 1e-5) / 127``, rounded, clamped to ``[quant_min, quant_max]`` and scaled back.
+    The same float32 operations as the ``quantized_decomposed`` ops on the same values (they compute
+    ``x * (1/s) + 0``, round, clamp, cast, ``- 0``, ``* s``: the zero point is 0 and the cast exact), so
+    every value is equal (``==``); only a negative input that rounds to zero keeps the sign,
+    ``-0.0``, as in :func:`fake_quantize_fused`."""
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=_PER_TOKEN_AMAX_FLOOR).div(_PER_TOKEN_DIVISOR)
+    t = x.mul(1.0 / scale)
+    return t.round_().clamp_(quant_min, quant_max).mul_(scale)
 
 
 def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:

@@ -86,3 +86,20 @@ def test_a_graph_without_capture_record_or_program_cannot_be_saved(tmp_path):
     with pytest.raises(quantkit.QuantkitError, match="no capture record"):
         quantkit.save(gm, tmp_path / "b")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
+
+
+def test_the_same_model_saves_to_the_same_bytes_whatever_ran_before(tmp_path):
+    """Saved programs carry no stack traces: they name the process's count of compiled graph
+    modules (<eval_with_key>.N) and absolute source paths, which made two quantizations of one
+    model differ in bytes (issue 28, a reproducible choice)."""
+    model, x = make_mlp()
+    q = quantkit.quantize(model, (x[:8],), [x[:16]], progress=False)
+    quantkit.save(q, tmp_path / "a")
+    for _ in range(3):  # other graph modules compiled in between move the <eval_with_key> counter
+        torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    quantkit.save(q, tmp_path / "b")
+    a, b = ((tmp_path / d / "model.pt2").read_bytes() for d in "ab")
+    assert a == b
+    assert b"eval_with_key" not in a and b"test_artifact.py" not in a  # no trace of this process in the file
+    with torch.no_grad():
+        assert torch.equal(quantkit.load(tmp_path / "b")(x), q(x))

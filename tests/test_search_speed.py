@@ -129,6 +129,43 @@ def test_fused_qdq_scores_exactly_what_the_reference_graph_computes(make, observ
     assert torch.equal(_fake_quant(v, 1.0 / s, s, zp, 0, 255), ref)
 
 
+@pytest.mark.parametrize("smoothquant", [False, True])
+def test_fused_per_token_qdq_scores_exactly_what_the_reference_graph_computes(smoothquant):
+    """Per-token graphs: each ``choose_qparams_per_token -> quantize -> dequantize`` of the scoring
+    copy is one fake_quantize_per_token call computing the same values as torch's decomposed ops."""
+    model, x = make_transformer()
+    config = QuantConfig(dynamic=True, granularity="per-token")
+    graph = quantkit.smooth_quant(model, [x[:16]], alpha="auto", config=config) if smoothquant else model
+    q = quantkit.quantize(graph, (x[:8],), [x[:16]], W8A8Quantizer(config), progress=False)
+    from quantkit._qmath import fake_quantize_per_token
+
+    fused = scoring_copy(q)
+    triples = _count(q, QD.dequantize_per_token.default)
+    assert triples > 0 and _count(fused, fake_quantize_per_token) == triples
+    for op in (QD.choose_qparams_per_token.default, QD.quantize_per_token.default, QD.dequantize_per_token.default):
+        assert _count(fused, op) == 0 and _count(q, op) == triples
+    with torch.no_grad():
+        for batch in (x, 1e3 * x, 1e-7 * x):  # 1e-7: rows under the 1e-5 amax floor
+            assert torch.equal(fused(batch), q(batch))
+
+
+def test_fake_quantize_per_token_equals_torch_decomposed_ops():
+    from quantkit._qmath import fake_quantize_per_token
+
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(7, 5, 33, generator=g) * torch.logspace(-8, 3, 33)  # rows of every magnitude
+    v[0, 0] = 0.0  # an all-zero row: scale at the floor
+    scale, zp = QD.choose_qparams_per_token(v, torch.int8)
+    for qmin, qmax in ((-128, 127), (-127, 127), (-64, 63)):
+        q = QD.quantize_per_token(v, scale, zp, qmin, qmax, torch.int8)
+        ref = QD.dequantize_per_token(q, scale, zp, qmin, qmax, torch.int8, torch.float32)
+        assert torch.equal(fake_quantize_per_token(v, qmin, qmax), ref)
+    # and the math written plainly in float64 (s rounded to float32 as the op stores it)
+    s = (v.double().abs().amax(-1, keepdim=True).clamp(min=1e-5) / 127).float().double()
+    plain = (torch.round(v.double() / s).clamp(-128, 127) * s).float()
+    assert (fake_quantize_per_token(v) - plain).abs().max() <= 1e-6 * v.abs().max()
+
+
 def test_bf16_variants_score_the_bf16_artifact():
     """Variants(float_weights="bf16"): each scoring copy computes what the artifact computes
     (KeepFloat(float_weights="bf16"): kept layers' weights stored in bf16, read unrounded)."""
@@ -200,3 +237,28 @@ def test_resumed_variants_are_bit_equal_and_run_only_what_changed(make):
                 assert torch.equal(p(batch), d(batch)), keep
         # the last layer's variant recomputes far less than the whole graph; the first one more
         assert 0 < plans[len(names) - 1].ran < plans[0].ran <= total
+
+
+@pytest.mark.parametrize("config, one", [
+    (QuantConfig(dynamic=True, granularity="per-token"), True),
+    (QuantConfig(dynamic=True), True),
+    (QuantConfig(), False),  # activation observers: every batch counts
+    (QuantConfig(dynamic=True, weight_observer="moving_average_per_channel_minmax"), False),
+    (QuantConfig(dynamic=True, weight_observer="per_channel_mse"), False),
+])
+def test_one_batch_calibrates_a_graph_that_observes_weights_only(config, one):
+    """one_batch_suffices: where every statistics-recording observer watches a weight with a running
+    min/max, one batch gives the very qparams that every batch gives (checked: the converted
+    models are equal tensor for tensor); anywhere else it says no."""
+    from quantkit.pipeline._calibrate import one_batch_suffices
+
+    model, x = make_transformer()
+    calib = [x[:16], 3 * x[16:32], x[32:]]
+    assert one_batch_suffices(quantkit.prepare(quantkit.capture(model, (x[:8],)), W8A8Quantizer(config))) is one
+    if one:
+        models = []
+        for batches in (calib, calib[:1]):
+            prepared = quantkit.prepare(quantkit.capture(model, (x[:8],)), W8A8Quantizer(config))
+            quantkit.calibrate(prepared, batches, progress=False)
+            models.append(quantkit.convert(prepared).state_dict())
+        assert models[0].keys() == models[1].keys() and all(torch.equal(models[0][k], models[1][k]) for k in models[0])

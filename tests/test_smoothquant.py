@@ -152,3 +152,34 @@ def test_auto_alpha_scores_the_quantization_it_is_given():
     assert scores["per-token"] >= max(scores["default"], scores["none"]) - 0.1, scores
     with pytest.raises(TypeError, match="config must be a QuantConfig"):
         quantkit.smooth_quant(model, calib, alpha="auto", config="per-token")
+
+
+def test_one_statistics_pass_serves_several_configs_with_the_same_factors(monkeypatch):
+    """smoothquant_statistics runs the data once; smooth_quant(statistics=...) under two activation
+    schemes gives exactly the graphs (weights, folded norms, alphas) of two plain calls."""
+    from quantkit.accuracy import _smoothquant as sq
+    from quantkit.quantizers import QuantConfig
+
+    model, x = make_transformer()
+    gm = quantkit.capture(model, (x[:8],))
+    calib = [x[:16], x[16:]]
+    configs = (QuantConfig(), QuantConfig(dynamic=True, granularity="per-token"))
+    plain = [quantkit.smooth_quant(gm, calib, alpha="auto", config=c) for c in configs]
+    passes = []
+    real = sq._collect
+    monkeypatch.setattr(sq, "_collect", lambda *a, **k: passes.append(1) or real(*a, **k))
+    stats = sq.smoothquant_statistics(gm, calib)
+    shared = [quantkit.smooth_quant(gm, calib, alpha="auto", config=c, statistics=stats) for c in configs]
+    assert len(passes) == 1
+    for a, b in zip(plain, shared):
+        assert a.meta[SMOOTHQUANT_META_KEY] == b.meta[SMOOTHQUANT_META_KEY]
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    other = quantkit.capture(model, (x[:8],))
+    with pytest.raises(ValueError, match="smoothquant_statistics\\(\\) of this very graph"):
+        quantkit.smooth_quant(other, calib, alpha="auto", statistics=stats)
+    few = sq.smoothquant_statistics(gm, calib, rows=0)
+    with pytest.raises(ValueError, match="collect them with rows=1024"):
+        quantkit.smooth_quant(gm, calib, alpha="auto", statistics=few)
+    fixed = quantkit.smooth_quant(gm, calib, alpha=0.5, statistics=few)  # ranges are all a fixed alpha needs
+    assert fixed.meta[SMOOTHQUANT_META_KEY] == quantkit.smooth_quant(gm, calib, alpha=0.5).meta[SMOOTHQUANT_META_KEY]

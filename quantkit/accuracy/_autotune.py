@@ -567,7 +567,7 @@ def autotune(model: torch.nn.Module, example_inputs: Any, calib: Iterable, eval_
     from quantkit.quantizers import W8A8Quantizer
 
     from . import _latency
-    from ._smoothquant import smooth_quant
+    from ._smoothquant import smooth_quant, smoothquant_statistics
 
     if not isinstance(target, (int, float)) or not math.isfinite(target):
         raise ValueError(f"target must be a finite number, got {target!r}")
@@ -584,7 +584,10 @@ def autotune(model: torch.nn.Module, example_inputs: Any, calib: Iterable, eval_
             return gm
         key = (r.smoothquant, r.lowering)
         if key not in smoothed:
-            smoothed[key] = smooth_quant(gm, calib, alpha=r.smoothquant, config=r.config())
+            if "stats" not in smoothed:  # one pass over the data for every SmoothQuant recipe
+                smoothed["stats"] = smoothquant_statistics(gm, calib)
+            smoothed[key] = smooth_quant(gm, calib, alpha=r.smoothquant, config=r.config(),
+                                         statistics=smoothed["stats"])
         return smoothed[key]
 
     def evaluate(r: AutoRecipe, trials):

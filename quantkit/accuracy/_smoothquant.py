@@ -11,6 +11,7 @@ rows); otherwise an explicit ``x * (1/s)`` is inserted before them.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -21,7 +22,7 @@ from quantkit.observers._tokens import real_tokens
 from quantkit.quantizers import Granularity, QuantConfig, W8A8Quantizer
 
 from .._graph import get_attr
-from .._qmath import choose_qparams, fake_quantize
+from .._qmath import choose_qparams, fake_quantize, fake_quantize_fused, fake_quantize_per_token, underlying_dtype
 from ..pipeline._calibrate import run_batches
 from ..pipeline._capture import capture
 from ..pipeline._distributed import use_distributed
@@ -31,7 +32,7 @@ from ._folding import FoldGroup, attr_use_counts, fold_target, insert_mul, own_a
 from ._metrics import reiterable
 from .rounding._sync import sync_channel_stats, synced_pass
 
-__all__ = ["smooth_quant", "parse_alpha", "SMOOTHQUANT_META_KEY"]
+__all__ = ["smooth_quant", "smoothquant_statistics", "SmoothQuantStatistics", "parse_alpha", "SMOOTHQUANT_META_KEY"]
 
 aten = torch.ops.aten
 # gm.meta entry: one record per smoothed group of linears
@@ -139,6 +140,31 @@ def _collect(gm: GraphModule, groups: list[FoldGroup], data: Iterable, keep_rows
     return stats
 
 
+@dataclass(frozen=True)
+class SmoothQuantStatistics:
+    """What :func:`smooth_quant` measures of a captured float graph on calibration data, for every
+    input it can smooth: per-channel activation ranges and (``rows`` > 0) the row sample that
+    ``alpha="auto"`` scores on. One collection serves several :func:`smooth_quant` calls on the
+    same graph and data (a search trying SmoothQuant under two activation schemes runs the data
+    once): the same statistics, so the same factors. Make it with :func:`smoothquant_statistics`."""
+
+    graph: GraphModule  # the float graph measured (smooth_quant refuses any other)
+    rows: int  # rows kept per input for alpha="auto" (0: ranges only)
+    stats: dict  # smoothable input node name -> its _ChannelStats
+
+
+def smoothquant_statistics(gm: GraphModule, calib_data: Iterable, *, rows: int = _AUTO_ROWS,
+                           distributed: bool | str = "auto") -> SmoothQuantStatistics:
+    """Run ``calib_data`` through the captured float graph ``gm`` once, measuring what
+    :func:`smooth_quant` needs; pass the result as its ``statistics=``, with the same graph."""
+    if not isinstance(gm, GraphModule):
+        raise TypeError(f"smoothquant_statistics expects a captured GraphModule, got {type(gm).__name__}")
+    groups = _groups(gm)
+    stats = _collect(gm, groups, reiterable(calib_data, "calibration"), rows, use_distributed(distributed)) \
+        if groups else []
+    return SmoothQuantStatistics(gm, rows, {g.source.name: st for g, st in zip(groups, stats)})
+
+
 def _scales(act_max: torch.Tensor, w_max: torch.Tensor, alpha: float | None) -> torch.Tensor:
     if alpha is None:
         return torch.ones_like(act_max)
@@ -154,15 +180,15 @@ def _quantized_acts(xs: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, config
     if hasattr(config, "fake_quant_activations"):  # a config that says how (FP8Config)
         return config.fake_quant_activations(xs, lo, hi)
     if config.dynamic and config.granularity is Granularity.PER_TOKEN:
-        q_ops = torch.ops.quantized_decomposed
-        scale, zp = q_ops.choose_qparams_per_token(xs, torch.int8)
-        q = q_ops.quantize_per_token(xs, scale, zp, -128, 127, torch.int8)
-        return q_ops.dequantize_per_token(q, scale, zp, -128, 127, torch.int8, torch.float32)
+        return fake_quantize_per_token(xs.float())  # the decomposed int8 per-token ops' values, fused
     scheme = config.activation
     qmin, qmax = scheme.qrange
     if config.dynamic:
         lo, hi = xs.min(), xs.max()
     scale, zp = choose_qparams(lo, hi, qscheme=scheme.qscheme, dtype=scheme.dtype, quant_min=qmin, quant_max=qmax)
+    if underlying_dtype(scheme.dtype) in (torch.int8, torch.uint8) and xs.dtype == torch.float32:
+        s = float(scale)  # quantize_per_tensor's values (its scale is a Python float), in four passes
+        return fake_quantize_fused(xs, 1.0 / s, s, int(zp), qmin, qmax)
     return fake_quantize(xs, scale, zp, qmin, qmax, scheme.dtype)
 
 
@@ -194,7 +220,8 @@ def _w8a8_error(rows, mn, mx, weights, s, config, refs=None) -> float:
 
 
 def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | str = 0.5, *,
-                 example_inputs=None, config=None, distributed: bool | str = "auto") -> GraphModule:
+                 example_inputs=None, config=None, distributed: bool | str = "auto",
+                 statistics: SmoothQuantStatistics | None = None) -> GraphModule:
     """Return a captured copy of ``model`` with activation outliers moved into linear weights.
 
     The result computes the same function in float (up to rounding); quantize it as
@@ -219,6 +246,8 @@ def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | st
             rank's shard and reduces the activation statistics across ranks, so that every rank
             gets the factors of one process on all the shards in rank order (min/max exact;
             ``alpha="auto"``'s row sample: see ``quantkit.accuracy.rounding._sync``).
+        statistics: :func:`smoothquant_statistics` of ``model`` (a captured GraphModule, this
+            very object) on ``calib_data``: used instead of running the data again.
 
     Returns:
         The smoothed GraphModule. ``gm.meta["quantkit_smoothquant"]`` lists each
@@ -251,7 +280,16 @@ def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | st
         raise TypeError(f"smooth_quant expects a torch.nn.Module, got {type(model).__name__}")
 
     groups = _groups(gm)
-    stats = _collect(gm, groups, data, _AUTO_ROWS if alpha == "auto" else 0, distributed) if groups else []
+    if statistics is not None:
+        if not isinstance(statistics, SmoothQuantStatistics) or statistics.graph is not model:
+            raise ValueError("smooth_quant(statistics=...) takes smoothquant_statistics() of this very graph; "
+                             "collect them on the model passed here, or leave statistics out")
+        if alpha == "auto" and statistics.rows < _AUTO_ROWS:
+            raise ValueError(f"alpha='auto' scores on {_AUTO_ROWS} rows per input; these statistics kept "
+                             f"{statistics.rows}: collect them with rows={_AUTO_ROWS}")
+        stats = [statistics.stats[g.source.name] for g in groups]
+    else:
+        stats = _collect(gm, groups, data, _AUTO_ROWS if alpha == "auto" else 0, distributed) if groups else []
     counts = attr_use_counts(gm)
     records = []
     for i, (group, st) in enumerate(zip(groups, stats)):

@@ -134,6 +134,8 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
     does not match exactly). Under torchrun the ranks calibrate their shards together instead."""
     import quantkit
     from quantkit.accuracy import _autotune as at, _latency
+    from quantkit.accuracy._smoothquant import smoothquant_statistics
+    from quantkit.pipeline._calibrate import one_batch_suffices
     from quantkit.pipeline._distributed import launched_world
     from quantkit.pipeline._inputs import call_model
     from quantkit.pipeline._variants import Variants, scoring_copy
@@ -152,6 +154,7 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
     target = args.target if args.target is not None else default
     evaluator = _HeldOut(loaded.model, heldout, heldout_origins, key, kind)
     smoothed: dict = {}
+    sq_stats: dict = {}  # "stats": the SmoothQuant statistics of gm on calib, shared by its recipes
     cli_of: dict[str, object] = {}
     calibrated: dict = {}  # static recipe -> its calibrated prepared model (the fallback's base)
     bases: dict = {}  # static recipe -> Variants of its calibrated model (fallback, weight bounds)
@@ -190,7 +193,10 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
             return gm
         k = (auto.smoothquant, auto.lowering)
         if k not in smoothed:
-            smoothed[k] = quantkit.smooth_quant(gm, calib, alpha=cli.smoothquant, config=cli.config())
+            if "stats" not in sq_stats:  # one pass over the data for every SmoothQuant recipe
+                sq_stats["stats"] = smoothquant_statistics(gm, calib)
+            smoothed[k] = quantkit.smooth_quant(gm, calib, alpha=cli.smoothquant, config=cli.config(),
+                                                statistics=sq_stats["stats"])
         return smoothed[k]
 
     def evaluate(auto, trials):
@@ -221,7 +227,8 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
         if auto.smoothquant is not None:
             scored_on[auto.name] = graph
         prepared = quantkit.prepare(graph, cli.quantizer(module_names))
-        quantkit.calibrate(prepared, calib, progress=False)
+        # a dynamic recipe's observers watch weights only: one batch gives what every batch gives
+        quantkit.calibrate(prepared, calib, progress=False, max_batches=1 if one_batch_suffices(prepared) else None)
         q = quantkit.convert(prepared)  # a copy: prepared stays calibrated, for a fallback on this base
         # under a launch of several processes calibrate reduces across ranks while Variants calibrates
         # each rank alone: reuse it only in one process (where the two are the same calibration)

@@ -181,6 +181,26 @@ def _plain_outputs(model: torch.nn.Module) -> torch.nn.Module:
     return cls(model)
 
 
+@contextlib.contextmanager
+def _without_stack_traces(program: torch.export.ExportedProgram):
+    """The nodes' ``stack_trace`` metadata left out while ``program`` is saved, then restored: it
+    names the source files' absolute paths and the process's count of compiled graph modules
+    (``<eval_with_key>.N``), so the same model, quantized twice, would be written as different bytes
+    (issue 28: two runs of the default command must give the same artifact)."""
+    saved = []
+    for module in program.graph_module.modules():
+        graph = getattr(module, "graph", None)
+        if isinstance(graph, torch.fx.Graph):
+            for node in graph.nodes:
+                if "stack_trace" in node.meta:
+                    saved.append((node, node.meta.pop("stack_trace")))
+    try:
+        yield
+    finally:
+        for node, trace in saved:
+            node.meta["stack_trace"] = trace
+
+
 def write_program(program: torch.export.ExportedProgram, directory: Path) -> Path:
     """Write ``program`` as ``directory/model.pt2`` and check that :func:`load` will accept it.
 
@@ -189,7 +209,8 @@ def write_program(program: torch.export.ExportedProgram, directory: Path) -> Pat
             tensor subclass or object), so it is not written as an artifact.
     """
     path = Path(directory) / MODEL_FILE
-    torch.export.save(program, str(path))
+    with _without_stack_traces(program):
+        torch.export.save(program, str(path))
     try:
         _safe_pt2.check_archive(path).zf.close()
     except QuantkitError as exc:

@@ -22,6 +22,7 @@ always built the real way.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
 import weakref
@@ -32,10 +33,11 @@ from torch.fx import GraphModule, Node
 
 from quantkit._graph import (CHOOSE_QPARAMS_OPS, DEQUANTIZE_OPS, QUANTIZE_OPS, constant_value, get_attr,
                              is_observer_node, unique_attr_name)
+from quantkit._qmath import fake_quantize_fused as _fake_quant, fake_quantize_per_token
 from quantkit.observers import DerivedObserver
 from quantkit.quantizers import W8A8Quantizer
 
-from ._calibrate import calibrate
+from ._calibrate import calibrate, one_batch_suffices
 from ._capture import capture
 from ._convert import convert, convert_in_place
 from ._float_fallback import finish_float_layers
@@ -122,6 +124,24 @@ def _terminals(dq: Node, out: set) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _recompiled_once(gm: GraphModule):
+    """Edits of ``gm``'s graph inside this block (each ending in ``gm.recompile()``) generate its
+    Python code once, on leaving: each recompile writes and compiles the whole graph's code (~30 ms
+    for MiniLM's 1,000 nodes), and a scoring copy was recompiled three times (issue 28: a fifth of
+    the fallback search)."""
+    gm.recompile = _no_recompile  # an instance attribute: shadows GraphModule.recompile
+    try:
+        yield gm
+    finally:
+        del gm.recompile
+        gm.recompile()
+
+
+def _no_recompile(*args, **kwargs):
+    return None
+
+
 class Variants:
     """A model calibrated once, from which variants with float layers are built.
 
@@ -152,7 +172,9 @@ class Variants:
         self.float_graph = model if isinstance(model, GraphModule) else capture(model, example_inputs)
         if prepared is None:
             prepared = prepare(self.float_graph, quantizer)  # prepare copies; the float graph stays as it is
-            calibrate(prepared, calib_data, progress=False, distributed=False)  # every rank has all the data
+            # every rank has all the data; observers of weights only need one batch of it
+            calibrate(prepared, calib_data, progress=False, distributed=False,
+                      max_batches=1 if one_batch_suffices(prepared) else None)
         elif "quantkit_calibrated_batches" not in prepared.meta:
             raise ValueError("Variants(prepared=...) takes a calibrated prepared model; calibrate it first")
         self.prepared = prepared  # calibrated (not modified): another Variants of it skips the calibration
@@ -192,7 +214,8 @@ class Variants:
             return prepared  # everything float: nothing to convert
         if not self.calibrate_like(prepared):
             self.rebuilt += 1
-            calibrate(prepared, self.calib_data, progress=False, distributed=False)  # every rank has all the data
+            calibrate(prepared, self.calib_data, progress=False, distributed=False,  # every rank has all the data
+                      max_batches=1 if one_batch_suffices(prepared) else None)
         return convert_in_place(prepared)  # our own prepared model: no copy needed
 
     def calibrate_like(self, prepared: GraphModule) -> bool:
@@ -221,14 +244,19 @@ class Variants:
         cheap = self._rewire(names)
         if cheap is None:
             return self.build(names)
-        if self.float_weights != "fp32":  # what convert does for KeepFloat(float_weights=...)
-            finish_float_layers(cheap, sorted(names), self.float_weights, rounded=self._rounded)
         if self.cheap is None:  # the first one is checked against the real build, bit for bit
+            if self.float_weights != "fp32":  # what convert does for KeepFloat(float_weights=...)
+                finish_float_layers(cheap, sorted(names), self.float_weights, rounded=self._rounded)
             real = self.build(names)
             self.cheap = _same(cheap, real, next(iter(self.calib_data)))
             if not self.cheap:
                 return real
-        return fuse_qdq(cheap)
+            return fuse_qdq(cheap)
+        with _recompiled_once(cheap):  # both edits, one code generation (they made two or three)
+            if self.float_weights != "fp32":
+                finish_float_layers(cheap, sorted(names), self.float_weights, rounded=self._rounded)
+            fuse_qdq(cheap)
+        return cheap
 
     def weights_float(self) -> GraphModule | None:
         """The all-int8 scoring copy with every layer's weight float and every activation still
@@ -290,20 +318,10 @@ class Variants:
         return True
 
 
-_Q, _DQ = torch.ops.quantized_decomposed.quantize_per_tensor.default, torch.ops.quantized_decomposed.dequantize_per_tensor.default
-
-
-def _fake_quant(x: torch.Tensor, inv_scale: float, scale: float, zero_point: int, qmin: int, qmax: int) -> torch.Tensor:
-    """``dequantize_per_tensor(quantize_per_tensor(x))`` in one buffer and four passes: the values
-    of ``(clamp(round(x * (1/s)) + zp, qmin, qmax) - zp) * s`` without the integer tensor in between.
-    ``r = round(x * (1/s))`` is clamped to ``[qmin - zp, qmax - zp]`` directly: for ``|r| < 2**24``
-    adding and subtracting the integer ``zp`` is exact in float32, and a larger ``|r|`` lies beyond
-    both bounds either way, so every value is equal (``==``); only a small negative input that
-    rounds to zero keeps the sign, ``-0.0``, which no sum, product or norm downstream can tell from
-    ``0.0``. (NaN stays NaN, where the integer tensor would hold some integer: a search scores a
-    non-finite output as failing either way.)"""
-    t = torch.mul(x, inv_scale)
-    return t.round_().clamp_(qmin - zero_point, qmax - zero_point).mul_(scale)
+_QD = torch.ops.quantized_decomposed
+_Q, _DQ = _QD.quantize_per_tensor.default, _QD.dequantize_per_tensor.default
+_CHOOSE_TOKEN, _Q_TOKEN, _DQ_TOKEN = (_QD.choose_qparams_per_token.default, _QD.quantize_per_token.default,
+                                      _QD.dequantize_per_token.default)
 
 
 # the int8 weight's memory (storage address and offset, shape, strides, dtype) -> (a weak reference
@@ -358,8 +376,10 @@ def fuse_qdq(gm: GraphModule) -> GraphModule:
     """In place: every static per-tensor ``quantize -> dequantize`` pair of ``gm`` (float32 in and
     out, 8-bit integers, the same qparams) becomes one :func:`_fake_quant` call: the same values,
     a third of the memory passes (issue 28: the q/dq of the reference graph were most of a scoring
-    forward on CPU); and every int8 weight's dequantize becomes its float32 value, computed once
-    (the per-channel dequantize of every weight at every call was a fifth of the default search).
+    forward on CPU); every int8 per-token ``choose_qparams -> quantize -> dequantize`` becomes one
+    :func:`~quantkit._qmath.fake_quantize_per_token` call; and every int8 weight's dequantize becomes
+    its float32 value, computed once (the per-channel dequantize of every weight at every call was a
+    fifth of the default search).
     For scoring copies only: the graph no longer has the ops a lowering matches."""
     constants: dict = {}
     for dq in list(gm.graph.nodes):
@@ -379,6 +399,9 @@ def fuse_qdq(gm: GraphModule) -> GraphModule:
                 dq.replace_all_uses_with(const)
                 gm.graph.erase_node(dq)
                 continue
+        if dq.op == "call_function" and dq.target is _DQ_TOKEN:
+            _fuse_per_token(gm, dq)
+            continue
         if dq.op != "call_function" or dq.target is not _DQ or dq.kwargs:
             continue
         q = dq.args[0]
@@ -400,6 +423,41 @@ def fuse_qdq(gm: GraphModule) -> GraphModule:
             gm.graph.erase_node(q)
     gm.recompile()
     return gm
+
+
+def _fuse_per_token(gm: GraphModule, dq: Node) -> None:
+    """In place: ``choose_qparams_per_token(x, int8) -> quantize_per_token -> dequantize_per_token``
+    (float32 in and out, the run-time qparams of ``x`` itself) becomes one
+    :func:`~quantkit._qmath.fake_quantize_per_token` call (the same values; the decomposed ops are
+    Python functions of seven passes, a third of a per-token scoring forward); anything else stays."""
+    q = dq.args[0] if dq.args else None
+    if not (isinstance(q, Node) and q.op == "call_function" and q.target is _Q_TOKEN and not q.kwargs
+            and len(q.args) == 6):
+        return
+    x, scale, zp, qmin, qmax, dtype = q.args
+    out = dq.args[6] if len(dq.args) > 6 else dq.kwargs.get("output_dtype", torch.float32)
+    if tuple(dq.args[1:6]) != (scale, zp, qmin, qmax, dtype) or dtype is not torch.int8 or out is not torch.float32 \
+            or set(dq.kwargs) - {"output_dtype"} or not isinstance(x, Node):
+        return
+    parts = []
+    for node, index in ((scale, 0), (zp, 1)):
+        if not (isinstance(node, Node) and node.op == "call_function" and node.target is operator.getitem
+                and node.args[1] == index):
+            return
+        parts.append(node.args[0])
+    choose = parts[0]
+    val = x.meta.get("val")
+    if not (parts[1] is choose and isinstance(choose, Node) and choose.op == "call_function"
+            and choose.target is _CHOOSE_TOKEN and choose.args == (x, torch.int8) and not choose.kwargs
+            and isinstance(val, torch.Tensor) and val.dtype == torch.float32):
+        return
+    with gm.graph.inserting_before(dq):
+        fused = gm.graph.call_function(fake_quantize_per_token, (x, qmin, qmax))
+    fused.meta = dict(dq.meta)
+    dq.replace_all_uses_with(fused)
+    for node in (dq, q, scale, zp, choose):  # each once nothing else reads it
+        if not node.users:
+            gm.graph.erase_node(node)
 
 
 def scoring_copy(gm: GraphModule) -> GraphModule:
