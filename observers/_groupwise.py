@@ -52,6 +52,7 @@ class GroupwiseWeightObserver(QuantkitObserver):
     """
 
     qkind = "groupwise"  # quantkit.pipeline.emit: folded packed integers / NF4 codes, per-group dequantize
+    repeat_invariant = True  # it keeps the ranges of the last weight seen: the same weight, the same ranges
 
     def __init__(self, group_size: int, scheme: str = "int4", symmetric: bool = False,
                  weight_algorithm: str = "rtn", double_quant: bool = False, dtype: torch.dtype | None = None,

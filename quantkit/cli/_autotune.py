@@ -135,7 +135,6 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
     import quantkit
     from quantkit.accuracy import _autotune as at, _latency
     from quantkit.accuracy._smoothquant import smoothquant_statistics
-    from quantkit.pipeline._calibrate import one_batch_suffices
     from quantkit.pipeline._distributed import launched_world
     from quantkit.pipeline._inputs import call_model
     from quantkit.pipeline._variants import Variants, scoring_copy
@@ -227,8 +226,7 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
         if auto.smoothquant is not None:
             scored_on[auto.name] = graph
         prepared = quantkit.prepare(graph, cli.quantizer(module_names))
-        # a dynamic recipe's observers watch weights only: one batch gives what every batch gives
-        quantkit.calibrate(prepared, calib, progress=False, max_batches=1 if one_batch_suffices(prepared) else None)
+        quantkit.calibrate(prepared, calib, progress=False)  # a dynamic recipe's: one batch (weights only)
         q = quantkit.convert(prepared)  # a copy: prepared stays calibrated, for a fallback on this base
         # under a launch of several processes calibrate reduces across ranks while Variants calibrates
         # each rank alone: reuse it only in one process (where the two are the same calibration)

@@ -37,7 +37,7 @@ from quantkit._qmath import fake_quantize_fused as _fake_quant, fake_quantize_pe
 from quantkit.observers import DerivedObserver
 from quantkit.quantizers import W8A8Quantizer
 
-from ._calibrate import calibrate, one_batch_suffices
+from ._calibrate import calibrate
 from ._capture import capture
 from ._convert import convert, convert_in_place
 from ._float_fallback import finish_float_layers
@@ -172,9 +172,7 @@ class Variants:
         self.float_graph = model if isinstance(model, GraphModule) else capture(model, example_inputs)
         if prepared is None:
             prepared = prepare(self.float_graph, quantizer)  # prepare copies; the float graph stays as it is
-            # every rank has all the data; observers of weights only need one batch of it
-            calibrate(prepared, calib_data, progress=False, distributed=False,
-                      max_batches=1 if one_batch_suffices(prepared) else None)
+            calibrate(prepared, calib_data, progress=False, distributed=False)  # every rank has all the data
         elif "quantkit_calibrated_batches" not in prepared.meta:
             raise ValueError("Variants(prepared=...) takes a calibrated prepared model; calibrate it first")
         self.prepared = prepared  # calibrated (not modified): another Variants of it skips the calibration
@@ -214,8 +212,7 @@ class Variants:
             return prepared  # everything float: nothing to convert
         if not self.calibrate_like(prepared):
             self.rebuilt += 1
-            calibrate(prepared, self.calib_data, progress=False, distributed=False,  # every rank has all the data
-                      max_batches=1 if one_batch_suffices(prepared) else None)
+            calibrate(prepared, self.calib_data, progress=False, distributed=False)  # every rank has all the data
         return convert_in_place(prepared)  # our own prepared model: no copy needed
 
     def calibrate_like(self, prepared: GraphModule) -> bool:
