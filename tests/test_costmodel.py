@@ -275,3 +275,20 @@ def test_cpu_support_line(monkeypatch, vnni, bf16, needles):
     else:
         assert "\n" not in line and all(n in line for n in needles), line
         assert ("BF16" in line) == (not bf16) and ("VNNI" in line) == (not vnni)
+
+
+@pytest.mark.parametrize("times, expect, calls", [
+    ([1.55, 1.60, 0.78], 0.78, 3),  # a moment without the second core: timed again, its real time
+    ([1.55, 1.60, 1.58, 1.57], 1.55, 4),  # a kernel that does not parallelise: two retries, then the best
+    ([0.80, 1.60], 0.80, 2),  # parallel as expected: no retry
+    ([0.05, 0.06], 0.05, 2),  # too small to doubt
+])
+def test_a_parallel_kernel_timed_no_faster_than_one_thread_is_timed_again(monkeypatch, times, expect, calls):
+    """time_kernel: the threads' time, the one-thread time, then (threads no faster than 0.75x one
+    thread, on a kernel of >= 0.1 ms) up to two more timings with the threads; the fastest counts."""
+    seen = []
+    feed = iter(times)
+    monkeypatch.setattr(_costmodel, "time_call", lambda fn: seen.append(torch.get_num_threads()) or next(feed))
+    monkeypatch.setattr(_costmodel, "RETRY_PAUSE_S", 0.0)
+    assert _costmodel.time_kernel(lambda: None, 2) == expect
+    assert len(seen) == calls and seen[:2] == [2, 1] and all(t == 2 for t in seen[2:])
