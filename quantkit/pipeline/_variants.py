@@ -47,6 +47,11 @@ from ._prepare import from_attributes, prepare
 
 __all__ = ["Variants", "fuse_qdq", "scoring_copy", "Resumed", "SCORING_WEIGHTS_META_KEY"]
 
+try:  # torch's own GraphModule that generates its Python code when first called, not at each edit
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+except ImportError:  # pragma: no cover - an older torch: code at construction, as GraphModule does
+    _LazyGraphModule = GraphModule
+
 
 def _producer(node: Node, modules: dict) -> str:
     while is_observer_node(node, modules):
@@ -296,7 +301,7 @@ class Variants:
         # a dict root: the new module holds the converted model's own tensors and submodules, no copies
         root = {str(n.target): weights[n.target] if n.target in weights else get_attr(self.quantized, n.target)
                 for n in graph.nodes if n.op in ("get_attr", "call_module")}
-        gm = GraphModule(root, graph)
+        gm = _LazyGraphModule(root, graph)  # its code is generated at its first call: a resumed variant has none
         gm.meta.update(self.quantized.meta)
         gm.meta["quantkit_variant_of"] = sorted(names)
         return gm
