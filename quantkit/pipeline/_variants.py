@@ -22,7 +22,6 @@ always built the real way.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import operator
 import weakref
@@ -47,7 +46,10 @@ from ._prepare import from_attributes, prepare
 
 __all__ = ["Variants", "fuse_qdq", "scoring_copy", "Resumed", "SCORING_WEIGHTS_META_KEY"]
 
-try:  # torch's own GraphModule that generates its Python code when first called, not at each edit
+# torch's own GraphModule that writes its Python code when first called, not at each edit: a scoring
+# copy was recompiled three times (~30 ms each for MiniLM's 1,000 nodes; issue 28: a fifth of the
+# fallback search), and a resumed skip-one variant, run node by node, never needs its code
+try:
     from torch.fx._lazy_graph_module import _LazyGraphModule
 except ImportError:  # pragma: no cover - an older torch: code at construction, as GraphModule does
     _LazyGraphModule = GraphModule
@@ -127,24 +129,6 @@ def _terminals(dq: Node, out: set) -> bool:
                 return False
             out.update((user, i) for i in idx)
     return True
-
-
-@contextlib.contextmanager
-def _recompiled_once(gm: GraphModule):
-    """Edits of ``gm``'s graph inside this block (each ending in ``gm.recompile()``) generate its
-    Python code once, on leaving: each recompile writes and compiles the whole graph's code (~30 ms
-    for MiniLM's 1,000 nodes), and a scoring copy was recompiled three times (issue 28: a fifth of
-    the fallback search)."""
-    gm.recompile = _no_recompile  # an instance attribute: shadows GraphModule.recompile
-    try:
-        yield gm
-    finally:
-        del gm.recompile
-        gm.recompile()
-
-
-def _no_recompile(*args, **kwargs):
-    return None
 
 
 class Variants:
@@ -246,19 +230,15 @@ class Variants:
         cheap = self._rewire(names)
         if cheap is None:
             return self.build(names)
+        # (a lazy GraphModule: these edits' recompiles only mark it; its code is written at a first call)
+        if self.float_weights != "fp32":  # what convert does for KeepFloat(float_weights=...)
+            finish_float_layers(cheap, sorted(names), self.float_weights, rounded=self._rounded)
         if self.cheap is None:  # the first one is checked against the real build, bit for bit
-            if self.float_weights != "fp32":  # what convert does for KeepFloat(float_weights=...)
-                finish_float_layers(cheap, sorted(names), self.float_weights, rounded=self._rounded)
             real = self.build(names)
             self.cheap = _same(cheap, real, next(iter(self.calib_data)))
             if not self.cheap:
                 return real
-            return fuse_qdq(cheap)
-        with _recompiled_once(cheap):  # both edits, one code generation (they made two or three)
-            if self.float_weights != "fp32":
-                finish_float_layers(cheap, sorted(names), self.float_weights, rounded=self._rounded)
-            fuse_qdq(cheap)
-        return cheap
+        return fuse_qdq(cheap)
 
     def weights_float(self) -> GraphModule | None:
         """The all-int8 scoring copy with every layer's weight float and every activation still
