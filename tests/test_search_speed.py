@@ -254,11 +254,16 @@ def test_one_batch_calibrates_a_graph_that_observes_weights_only(config, one):
 
     model, x = make_transformer()
     calib = [x[:16], 3 * x[16:32], x[32:]]
-    assert one_batch_suffices(quantkit.prepare(quantkit.capture(model, (x[:8],)), W8A8Quantizer(config))) is one
+    prepared = quantkit.prepare(quantkit.capture(model, (x[:8],)), W8A8Quantizer(config))
+    assert one_batch_suffices(prepared) is one
+    if not one:  # every batch runs
+        quantkit.calibrate(prepared, calib, progress=False)
+        assert prepared.meta["quantkit_calibrated_batches"] == len(calib)
     if one:
         models = []
         for batches in (calib, calib[:1]):
             prepared = quantkit.prepare(quantkit.capture(model, (x[:8],)), W8A8Quantizer(config))
             quantkit.calibrate(prepared, batches, progress=False)
+            assert prepared.meta["quantkit_calibrated_batches"] == 1  # calibrate itself stopped after one
             models.append(quantkit.convert(prepared).state_dict())
         assert models[0].keys() == models[1].keys() and all(torch.equal(models[0][k], models[1][k]) for k in models[0])

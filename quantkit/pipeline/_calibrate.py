@@ -120,9 +120,10 @@ def calibrate(prepared: GraphModule, data: Iterable, *, progress: bool = True,
     if not isinstance(prepared, GraphModule) or not (
             prepared.meta.get("quantkit_prepared", False) or any(is_observer_module(m) for m in prepared.modules())):
         raise TypeError("calibrate expects a model returned by quantkit.prepare (or torchao's prepare_pt2e)")
-    limit = [max_batches]
-    run = lambda: run_batches(prepared, data, progress=progress, max_batches=limit[0],  # noqa: E731
-                              desc="calibrating", what="calibration", skip_padding=skip_padding)
+    def run(limit: int | None = max_batches) -> int:
+        return run_batches(prepared, data, progress=progress, max_batches=limit, desc="calibrating",
+                           what="calibration", skip_padding=skip_padding)
+
     synced = use_distributed(distributed)
     # the registered hooks (GPTQ/AWQ, when weights ask for them), their statistics synced pass by
     # pass under a process group (quantkit.accuracy.rounding)
@@ -130,7 +131,7 @@ def calibrate(prepared: GraphModule, data: Iterable, *, progress: bool = True,
     if hooked is run and one_batch_suffices(prepared):
         # observers of weights only (RTN weight-only, dynamic activations): every further batch
         # would leave every statistic as the first left it (issue 31: 20 of SmolLM2's 29 s of RTN)
-        limit[0] = 1
+        hooked = lambda: run(1)  # noqa: E731
     seen = calibrate_synced(prepared, hooked, data) if synced else hooked()
     if seen == 0:
         raise CalibrationError(
