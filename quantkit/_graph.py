@@ -8,7 +8,8 @@
   :data:`CHOOSE_QPARAMS_OPS`, the float8 and group-wise sets), the annotation key, the names convert
   gives folded weights (:data:`FOLDED_PREFIX`) and its qparams record (:data:`QPARAMS_META_KEY`);
 - observers in a graph: :func:`is_observer_module`, :func:`is_observer_node`, :func:`is_calibrated`;
-- constants: :func:`mutated_attributes`, :func:`constant_value`.
+- constants: :func:`mutated_attributes`, :func:`constant_value`;
+- a node's example tensor from torch.export: :func:`example_value`.
 
 This module sits at the bottom of the import graph beside ``_qmath``, ``_qdq`` and ``_errors``: it
 imports nothing from quantkit but those, so observers, quantizers, kernels and every stage may use it.
@@ -27,6 +28,7 @@ __all__ = [
     "QUANTIZE_OPS", "DEQUANTIZE_OPS", "CHOOSE_QPARAMS_OPS", "FLOAT8_QUANTIZE_OPS", "FLOAT8_DEQUANTIZE_OPS",
     "FLOAT8_CHOOSE_OPS", "GROUPWISE_DEQUANTIZE_OPS", "ANNOTATION_KEY", "FOLDED_PREFIX", "QPARAMS_META_KEY",
     "is_observer_module", "is_observer_node", "is_calibrated", "mutated_attributes", "constant_value",
+    "example_value",
 ]
 
 # --- op families and names of quantized graphs -------------------------------------------------
@@ -229,3 +231,10 @@ def constant_value(gm: GraphModule, node, memo: dict):
                 value = node.target(*args, **kwargs)
     memo[node] = value
     return value
+
+
+def example_value(node) -> torch.Tensor | None:
+    """The example tensor torch.export recorded for ``node`` (``meta["val"]``), or None: not a node,
+    no value recorded (nodes a pass made), or not a tensor."""
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return val if isinstance(val, torch.Tensor) else None

@@ -34,6 +34,7 @@ from torch.fx import GraphModule, Node
 import quantkit.kernels  # noqa: F401  (registers torch.ops.quantkit.fp8_linear)
 
 from .._graph import FLOAT8_DEQUANTIZE_OPS, FLOAT8_QUANTIZE_OPS, get_attr
+from .._graph import example_value as _val
 from ._registry import LoweringContext, register_lowering
 
 __all__ = ["lower_fp8", "lower_fp8_pass", "has_fp8_qdq", "FP8_KERNELS"]
@@ -46,11 +47,6 @@ FP8_KERNELS = ("scaled_mm", "triton")  # what lower_fp8 runs an FP8 linear as
 def has_fp8_qdq(gm: GraphModule) -> bool:
     """Whether ``gm`` holds float8 dequantize ops (an FP8 ``quantkit.convert`` result)."""
     return any(n.op == "call_function" and n.target in FLOAT8_DEQUANTIZE_OPS for n in gm.graph.nodes)
-
-
-def _val(node):
-    val = node.meta.get("val") if isinstance(node, Node) else None
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def _match(gm: GraphModule, node: Node):

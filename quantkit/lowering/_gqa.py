@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
+from .._graph import example_value as _val
 from ._registry import LoweringContext, register_lowering
 
 __all__ = ["group_gqa_attention", "lower_gqa_attention"]
@@ -35,16 +37,9 @@ _COPIES = (aten.clone.default, aten.contiguous.default)
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-def _val(node):
-    val = node.meta.get("val") if isinstance(node, Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
 def _static(d) -> int | None:
-    try:
-        return int(d) if isinstance(d, int) or d.node.is_constant() else None
-    except Exception:  # noqa: BLE001  a symbolic size without a constant value
-        return None
+    """A size as an int, or None where it is symbolic (a prefill's dynamic length)."""
+    return int(d) if is_concrete_int(d) else None
 
 
 def _repeated_source(node) -> tuple[Node, int] | None:
@@ -73,8 +68,7 @@ def _repeated_source(node) -> tuple[Node, int] | None:
 
 def _sdpa_call(node: Node) -> dict | None:
     bound = dict(zip(_SDPA_ARGS, node.args))
-    for k, v in node.kwargs.items():
-        bound[k] = v
+    bound.update(node.kwargs)
     if bound.get("dropout_p", 0.0) not in (0, 0.0) or bound.get("is_causal", False) or bound.get("enable_gqa", False):
         return None
     return bound
@@ -88,8 +82,8 @@ def _fake(fn, *vals):
         return None
 
 
-def _node(graph, target, args, val):
-    n = graph.call_function(target, args)
+def _node(graph, target, args, val, kwargs=None):
+    n = graph.call_function(target, args, kwargs)
     if val is not None:
         n.meta["val"] = val
     return n
@@ -143,11 +137,9 @@ def group_gqa_attention(gm: GraphModule) -> int:
                 shape_m = [mb, 1, -1, ms]
                 m2 = _node(graph, aten.reshape.default, (e, shape_m), _fake(lambda t: t.reshape(shape_m), _val(e)))
             kwargs = {key: call[key] for key in ("scale",) if call.get(key) is not None}
-            out = graph.call_function(_SDPA, (q2, ks, vs, m2), kwargs)
-            ov = _fake(lambda a, b, c: torch.empty(a.shape[0], a.shape[1], a.shape[2], c.shape[-1], dtype=a.dtype,
-                                                   device=a.device), _val(q2), _val(ks), _val(vs))
-            if ov is not None:
-                out.meta["val"] = ov
+            # SDPA's output: the query's shape with the value's last dimension
+            out = _node(graph, _SDPA, (q2, ks, vs, m2), _fake(lambda a, c: a.new_empty((*a.shape[:-1], c.shape[-1])),
+                                                               _val(q2), _val(vs)), kwargs)
             shape_o = [batch, heads, -1, dim]
             back = _node(graph, aten.reshape.default, (out, shape_o), _val(node))
         node.replace_all_uses_with(back)

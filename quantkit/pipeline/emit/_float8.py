@@ -16,6 +16,7 @@ from torch.fx import Node
 
 from ..._errors import ConvertError
 from ..._graph import FOLDED_PREFIX
+from ..._graph import example_value as _val
 from ..._qdq import PER_TOKEN
 from ..._qmath import float8_max, is_per_channel, quantize_float8, underlying_dtype
 from ._context import ConvertContext
@@ -25,11 +26,6 @@ __all__ = ["Float8Emitter", "emit_float8"]
 
 _AO = torch.ops.torchao
 aten = torch.ops.aten
-
-
-def _val(node):
-    val = node.meta.get("val") if isinstance(node, Node) else None
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def emit_float8(conv: ConvertContext, node: Node, obs, const) -> Node:
