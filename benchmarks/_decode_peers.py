@@ -208,7 +208,7 @@ class _QuantkitEngine:
     (it compiles once, ``warmup=True`` keeps that out of the timings). Each step's time is the gap
     between the streamer's consecutive tokens (the loop's own work included)."""
 
-    def __init__(self, folder, max_cache_len, scheme: str, shared, group_size=64):
+    def __init__(self, folder, max_cache_len, scheme: str, shared, group_size=64, without=()):
         import dataclasses
 
         import quantkit
@@ -224,6 +224,19 @@ class _QuantkitEngine:
         quantkit.calibrate(prepared, [(example, torch.arange(example.shape[1]))], progress=False)  # RTN: unused
         self.program = quantkit.convert(prepared)
         self.compile_s = None
+        self.run_program = self.program
+        if without:  # compile now, with those lowering passes left out (an A/B of one pass)
+            from quantkit.generation._generate import _compiled
+            from quantkit.lowering import register_lowering, registered_lowerings, unregister_lowering
+
+            removed = [p for p in registered_lowerings() if p.name in without]
+            for p in removed:
+                unregister_lowering(p.name)
+            try:  # generate runs a compiled program as it is: LRU eviction cannot recompile it with the pass
+                self.run_program = _compiled(self.program)[0]
+            finally:
+                for p in removed:
+                    register_lowering(p.name, order=p.order, devices=p.devices)(p.fn)
 
     def run(self, prompt, steps):
         from quantkit.generation import generate_with_stats
@@ -237,7 +250,7 @@ class _QuantkitEngine:
             def end(self):
                 pass
 
-        _, stats = generate_with_stats(self.program, prompt, steps + 1, warmup=True, streamer=_Clock())
+        _, stats = generate_with_stats(self.run_program, prompt, steps + 1, warmup=True, streamer=_Clock())
         if stats.compile_s:
             self.compile_s = stats.compile_s
         # stamps: prompt, first token (after prefill), then one per decode step
@@ -292,6 +305,8 @@ ENGINES = {
                      lambda f, n, s, t: _torchao_int4(f, n, s)),
     "quantkit-w4a16": ("quantkit w4a16 g64 RTN, generate (compiled)",
                        lambda f, n, s, t: _QuantkitEngine(f, n, "w4a16", s)),
+    "quantkit-w4a16-repeat-kv": ("quantkit w4a16 g64 RTN without the gqa_attention pass (K/V repeated per head)",
+                                 lambda f, n, s, t: _QuantkitEngine(f, n, "w4a16", s, without=("gqa_attention",))),
     "quantkit-w8a16": ("quantkit w8a16 RTN, generate (compiled)",
                        lambda f, n, s, t: _QuantkitEngine(f, n, "w8a16", s)),
     "llamacpp-q4_0": ("llama.cpp Q4_0 (llama-cpp-python)",

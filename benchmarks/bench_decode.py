@@ -13,6 +13,7 @@ Rows (``--rows``, names from ``benchmarks/_decode_peers.ENGINES``):
   hf-fp32-compiled, hf-bf16-compiled  the same under torch.compile
   torchao-int4                      torchao 0.18 CPU int4 g64 weight-only (PrototypeInt4WeightOnlyConfig), compiled
   quantkit-w4a16, quantkit-w8a16    quantkit RTN (w4a16 at g64), through quantkit.generate_with_stats(warmup=True)
+  quantkit-w4a16-repeat-kv          the same w4a16 program compiled without the gqa_attention lowering pass
   llamacpp-q4_0, llamacpp-q8_0      llama.cpp via llama_cpp.Llama(n_threads=T) on GGUFs made by llama.cpp's own
                                     convert_hf_to_gguf.py (F16) and llama_model_quantize, from the same HF folder
 
