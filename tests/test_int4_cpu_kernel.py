@@ -15,6 +15,7 @@ import torch
 
 from quantkit.kernels import int4_cpu_available, int4_linear_cpu, pack_int4_cpu
 from quantkit.kernels._int4_cpu import PREFILL_COLUMNS, PREFILL_ROWS, _compiled
+from quantkit.kernels._cpu_isa import cpu_has
 
 _needs_kernel = pytest.mark.skipif(not int4_cpu_available(), reason="needs an AVX512-VNNI CPU and a C++ compiler")
 
@@ -77,8 +78,19 @@ def test_prefill_path_is_bf16_gemm_of_exact_weights(m):
     # the decoded bf16 weight: the exact weight rounded to bf16 (half an ulp: at most 2^-8 relative)
     _, decode = _compiled()
     wt = torch.empty(k, n, dtype=torch.bfloat16)
-    decode(packed, sb, wt, n, k, group, 0, n // 16, 1)  # every block at once (the op decodes slices)
+    decode(packed, sb, wt, n, k, group, 0, n // 16, 1, 0)  # every block at once (the op decodes slices)
     assert bool(((wt.double().T - w).abs() <= w.abs() * 2 ** -8 * (1 + 2 ** -14)).all())
+    # bit for bit torch's own rounding of the float32 weight (to nearest even); the AVX512-BF16 variant
+    # (35 blocks: pairs and an odd last one) gives the same bits
+    torch.testing.assert_close(wt.T, ((q - zp.repeat_interleave(group, 1)).float()
+                                      * scale.float().repeat_interleave(group, 1)).to(torch.bfloat16), rtol=0, atol=0)
+    if cpu_has("avx512_bf16"):
+        native = torch.empty_like(wt)
+        decode(packed, sb, native, n, k, group, 0, n // 16, 2, 1)
+        assert torch.equal(native, wt)
+        part = torch.zeros(k, 3 * 16, dtype=torch.bfloat16)  # a slice of 3 blocks from block 5
+        decode(packed, sb, part, n, k, group, 5, 3, 1, 1)
+        assert torch.equal(part, wt[:, 80:128])
     # oneDNN's bf16 GEMM on it: bf16 x, float accumulation, a bf16 result
     ref = x.bfloat16().double() @ wt.double()
     torch.testing.assert_close(out.double(), ref, rtol=2 ** -7, atol=1e-4 * float(ref.abs().max()))
