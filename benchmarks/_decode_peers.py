@@ -307,6 +307,10 @@ ENGINES = {
                        lambda f, n, s, t: _QuantkitEngine(f, n, "w4a16", s)),
     "quantkit-w4a16-repeat-kv": ("quantkit w4a16 g64 RTN without the gqa_attention pass (K/V repeated per head)",
                                  lambda f, n, s, t: _QuantkitEngine(f, n, "w4a16", s, without=("gqa_attention",))),
+    "quantkit-w4a16-fp32-prompt-attn": ("quantkit w4a16 g64 RTN without the prefill_attention_bf16 pass "
+                                        "(prompt attention in float32)",
+                                        lambda f, n, s, t: _QuantkitEngine(f, n, "w4a16", s,
+                                                                           without=("prefill_attention_bf16",))),
     "quantkit-w8a16": ("quantkit w8a16 RTN, generate (compiled)",
                        lambda f, n, s, t: _QuantkitEngine(f, n, "w8a16", s)),
     "llamacpp-q4_0": ("llama.cpp Q4_0 (llama-cpp-python)",

@@ -14,14 +14,15 @@ Rows (``--rows``, names from ``benchmarks/_decode_peers.ENGINES``):
   torchao-int4                      torchao 0.18 CPU int4 g64 weight-only (PrototypeInt4WeightOnlyConfig), compiled
   quantkit-w4a16, quantkit-w8a16    quantkit RTN (w4a16 at g64), through quantkit.generate_with_stats(warmup=True)
   quantkit-w4a16-repeat-kv          the same w4a16 program compiled without the gqa_attention lowering pass
+  quantkit-w4a16-fp32-prompt-attn   the same w4a16 program compiled without the prefill_attention_bf16 pass
   llamacpp-q4_0, llamacpp-q8_0      llama.cpp via llama_cpp.Llama(n_threads=T) on GGUFs made by llama.cpp's own
                                     convert_hf_to_gguf.py (F16) and llama_model_quantize, from the same HF folder
 
 Models (``--models``): ``smollm2`` (SmolLM2-135M-Instruct, tests/_smollm2) and ``llama1b`` (random
 weights, seed 0, Llama-3.2-1B shapes: hidden 2048, 16 layers, 32/8 heads, intermediate 8192, tied
 embeddings; vocabulary SmolLM2's 49,152 so its tokenizer serves the GGUF converter).
-Transformers rows compute the last position's logits in prefill (``logits_to_keep=1``); quantkit's
-program returns every position's logits.
+Every row computes only the last position's logits in prefill: transformers with ``logits_to_keep=1``,
+quantkit through its last-position program (``quantkit.generate``).
 
 Run:  python benchmarks/bench_decode.py [--models smollm2,llama1b] [--contexts 128,1024] [--steps 16]
                                         [--rounds 2] [--rows hf-bf16-compiled,quantkit-w4a16,...] [--json out.json]

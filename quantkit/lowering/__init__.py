@@ -5,7 +5,7 @@
 pass a scheme adds with :func:`register_lowering`) and hands the graph to ``torch.compile``.
 """
 
-from . import _bf16, _fp8, _gqa, _per_token, _per_token_fuse, _qsdpa, _weight_only  # noqa: F401  (their passes register on import; _lower's below)
+from . import _bf16, _fp8, _gqa, _per_token, _per_token_fuse, _prefill_attention, _qsdpa, _weight_only  # noqa: F401  (their passes register on import; _lower's below)
 from ._lower import Target, lower
 from ._registry import (Lowering, LoweringContext, LoweringError, register_lowering, registered_lowerings,
                         unregister_lowering)

@@ -11,8 +11,9 @@ the counts it wants recorded (``{}`` when it did nothing).
 quantkit's own passes register from their modules: the int8 GEMMs (``_lower.py``, order 100), per-token
 int8 GEMMs (``_per_token.py``, 150), int8 SDPA (``_qsdpa.py``, 150), grouped-query attention without
 repeated K/V (``_gqa.py``, 160), the weight-only GEMMs
-(``_weight_only.py``, 200), FP8 (``_fp8.py``, 300), int8-mixed-bf16 (``_bf16.py``, 400) and the bf16
-float-fallback GEMMs (``_bf16.py``, 410). A scheme adds its pass from its own file, e.g.::
+(``_weight_only.py``, 200), FP8 (``_fp8.py``, 300), int8-mixed-bf16 (``_bf16.py``, 400), the bf16
+float-fallback GEMMs (``_bf16.py``, 410), the fused per-token quantize (``_per_token_fuse.py``, 420)
+and a KV-cache program's bf16 prompt attention (``_prefill_attention.py``, 430). A scheme adds its pass from its own file, e.g.::
 
     @register_lowering("mxfp4", order=250, devices=("cuda",))
     def lower_mxfp4(gm, ctx):
@@ -107,7 +108,8 @@ def register_lowering(name: str, *, order: int,
         name: unique name of the pass (e.g. ``"weight_only"``).
         order: where it runs: passes run by increasing ``order`` (ties by name). quantkit's own
             passes use 100 (int8), 150 (per-token int8, int8 SDPA), 160 (grouped-query attention), 200 (weight-only), 300 (FP8),
-            400 (bf16 casts), 410 (bf16 float-fallback GEMMs).
+            400 (bf16 casts), 410 (bf16 float-fallback GEMMs), 420 (fused per-token quantize),
+            430 (bf16 prompt attention of KV-cache programs).
         devices: the devices it runs for, some of ``("cpu", "cuda")``.
 
     Registering a second, different function under a taken name raises :class:`LoweringError`
