@@ -208,13 +208,13 @@ class _QuantkitEngine:
     (it compiles once, ``warmup=True`` keeps that out of the timings). Each step's time is the gap
     between the streamer's consecutive tokens (the loop's own work included)."""
 
-    def __init__(self, folder, max_cache_len, scheme: str, shared, group_size=64, without=()):
+    def __init__(self, folder, max_cache_len, scheme: str, shared, group_size=64, without=(), dtype=torch.float32):
         import dataclasses
 
         import quantkit
-        key = ("hf", torch.float32)
+        key = ("hf", dtype)
         if key not in shared:
-            shared[key] = _hf_model(folder, torch.float32)
+            shared[key] = _hf_model(folder, dtype)
         example = torch.zeros(1, 8, dtype=torch.long)
         gm = quantkit.capture(shared[key], example, max_cache_len=max_cache_len)
         config = quantkit.get_scheme(scheme)
@@ -307,6 +307,8 @@ ENGINES = {
                        lambda f, n, s, t: _QuantkitEngine(f, n, "w4a16", s)),
     "quantkit-w4a16-repeat-kv": ("quantkit w4a16 g64 RTN without the gqa_attention pass (K/V repeated per head)",
                                  lambda f, n, s, t: _QuantkitEngine(f, n, "w4a16", s, without=("gqa_attention",))),
+    "quantkit-w4a16-bf16": ("quantkit w4a16 g64 RTN of the bf16 model (bf16 activations and cache)",
+                            lambda f, n, s, t: _QuantkitEngine(f, n, "w4a16", s, dtype=torch.bfloat16)),
     "quantkit-w4a16-fp32-prompt-attn": ("quantkit w4a16 g64 RTN without the prefill_attention_bf16 pass "
                                         "(prompt attention in float32)",
                                         lambda f, n, s, t: _QuantkitEngine(f, n, "w4a16", s,

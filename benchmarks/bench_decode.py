@@ -15,6 +15,7 @@ Rows (``--rows``, names from ``benchmarks/_decode_peers.ENGINES``):
   quantkit-w4a16, quantkit-w8a16    quantkit RTN (w4a16 at g64), through quantkit.generate_with_stats(warmup=True)
   quantkit-w4a16-repeat-kv          the same w4a16 program compiled without the gqa_attention lowering pass
   quantkit-w4a16-fp32-prompt-attn   the same w4a16 program compiled without the prefill_attention_bf16 pass
+  quantkit-w4a16-bf16               w4a16 g64 of the model loaded in bf16 (bf16 activations and KV cache)
   llamacpp-q4_0, llamacpp-q8_0      llama.cpp via llama_cpp.Llama(n_threads=T) on GGUFs made by llama.cpp's own
                                     convert_hf_to_gguf.py (F16) and llama_model_quantize, from the same HF folder
 
