@@ -7,8 +7,9 @@ step's 1 row, or ``heads / kv_heads`` rows once ``gqa_attention`` has grouped th
 kernel switches to its bf16 GEMM at the same row count, so a prompt is bf16 arithmetic throughout
 its GEMMs and attention while decode keeps float32 attention.
 
-Only on CPUs with AMX (``_bf16.bf16_float_ops_pay``): measured there, SmolLM2-135M w4a16 1024-token
-prefill 0.80 -> 0.60 s (2 threads); without AMX (Zen 4: AVX-512 BF16 alone) bf16 float ops measured
+Only on CPUs with AMX (``_bf16.bf16_float_ops_pay``): measured there, SmolLM2-135M w4a16 prefill
+829 -> 558 ms at 1024 tokens, 1.18x at 128 (2 threads, ``benchmarks/bench_decode.py`` row
+``quantkit-w4a16-fp32-prompt-attn`` against ``quantkit-w4a16``, BENCHMARKS.md); without AMX (Zen 4: AVX-512 BF16 alone) bf16 float ops measured
 slower than float32 for the int8 graphs, and this path is not measured there. An explicit
 ``float_dtype="fp32"`` keeps float32 attention. SDPAs with dropout, ``is_causal`` or ``enable_gqa``,
 and attention the bf16 pass already runs in bf16, are left alone.
