@@ -335,6 +335,21 @@ def test_cli_format_gguf(llama, tmp_path):
     assert main(args + ["--out", str(both), "--format", "pt2,gguf"]) == 0
     assert (both / "model.gguf").is_file() and (both / "model.pt2").is_file()
     assert json.loads((both / "report.json").read_text())["gguf"]["tensor_types"]["Q4_1"] == 15
+    half = tmp_path / "half.gguf"
+    full = tmp_path / "full.gguf"  # lm_head left float: a 2-d float tensor (output.weight)
+    assert main(args + ["--out", str(full), "--format", "gguf", "--skip", "lm_head"]) == 0
+    assert main(args + ["--out", str(half), "--format", "gguf", "--skip", "lm_head", "--float-dtype", "float16"]) == 0
+    reader = gguf.GGUFReader(str(half))
+    halves = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert halves["blk.0.attn_q.weight"] == "Q4_1" and halves["blk.0.attn_norm.weight"] == "F32"  # 1-d stays F32
+    kept = {t.name: t for t in gguf.GGUFReader(str(full)).tensors}
+    assert "F16" in halves.values(), halves
+    for t in reader.tensors:  # the F32 file's 2-d float tensors, rounded to float16 (numpy's own rounding)
+        if t.tensor_type.name == "F16":
+            want = np.asarray(kept[t.name].data, dtype=np.float32).astype(np.float16)
+            assert kept[t.name].tensor_type.name == "F32" and np.array_equal(np.asarray(t.data), want), t.name
+    assert int(reader.fields["general.file_type"].parts[-1][0]) in (int(gguf.LlamaFileType.MOSTLY_Q4_1),
+                                                                    int(gguf.LlamaFileType.MOSTLY_F16))
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -342,6 +357,8 @@ def test_cli_format_gguf(llama, tmp_path):
     (["--scheme", "nf4", "--group-size", "32"], "not --scheme nf4"),
     ([], "not the default w8a8"),
     (["--scheme", "w4a16", "--group-size", "32", "--out-name"], None),
+    (["--scheme", "w4a16", "--group-size", "32", "--float-dtype", "bfloat16"],
+     "writes float tensors as float32 or float16 (what llama.cpp's converter writes), not --float-dtype bfloat16"),
 ])
 def test_cli_refuses_before_calibration(llama, tmp_path, capsys, flags, message):
     _, path, _, _ = llama

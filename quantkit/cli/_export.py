@@ -39,8 +39,9 @@ def check(args, spec: inputs.ModelSpec, out: Path, check_pt2_dir) -> Path:
                         ("--quantize-lm-head", getattr(args, "quantize_lm_head", False)),
                         ("--float-dtype", getattr(args, "float_dtype", None) is not None),
                         ("--engine", getattr(args, "engine", None) is not None)):
-        if given and CT not in formats and not (flag == "--skip-unsupported" and GGUF in formats):
-            raise inputs.UsageError(f"{flag} applies to --format compressed-tensors only; add it or drop {flag}")
+        if given and CT not in formats and not (flag in ("--skip-unsupported", "--float-dtype") and GGUF in formats):
+            raise inputs.UsageError(f"{flag} applies to --format compressed-tensors" +
+                                    (" or gguf" if flag == "--float-dtype" else "") + f" only; add it or drop {flag}")
     if CT in formats:
         _refuse_unexpressible(args)
         _refuse_for_engine(args)

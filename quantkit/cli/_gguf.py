@@ -4,6 +4,8 @@
 directory with ``model.gguf`` inside it. What GGUF cannot hold is refused here, before anything
 loads or calibrates: GGUF's Q4_0/Q4_1/Q8_0 blocks hold weight-only int4/int8 groups of 32 (a group
 size that is a multiple of 32, or one group per row, repeats its scale in each block).
+``--float-dtype float16`` writes the 2-d float tensors F16, as llama.cpp's converter does (default
+float32: the values quantkit computes with).
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ def check(args, spec: inputs.ModelSpec, out: Path, formats: tuple[str, ...], for
         raise inputs.UsageError("--format gguf combines with pt2 only (pt2,gguf): write compressed-tensors "
                                 "in another run")
     _refuse_scheme(args)
+    from ..export._gguf import FLOAT_DTYPES
+
+    if getattr(args, "float_dtype", None) not in (None, *FLOAT_DTYPES):
+        raise inputs.UsageError(f"--format gguf writes float tensors as {' or '.join(FLOAT_DTYPES)} (what llama.cpp's "
+                                f"converter writes), not --float-dtype {args.float_dtype}: use --float-dtype float16")
     if not spec.is_hf:
         raise inputs.UsageError("--format gguf needs the HF model's config.json and tokenizer, so MODEL must be "
                                 "an HF model directory, not a factory")
@@ -65,7 +72,7 @@ def write(path: Path, *, qmodel, model_dir: Path, args):
     with silenced():  # transformers' tokenizer loading and gguf's writer log; the summary line is ours
         return export_gguf(qmodel, path, model=model_dir, skip_unsupported=bool(getattr(args, "skip_unsupported",
                                                                                          False)),
-                           overwrite=True, flags=_FLAGS)
+                           float_dtype=getattr(args, "float_dtype", None) or "float32", overwrite=True, flags=_FLAGS)
 
 
 def summary(result) -> dict:

