@@ -42,6 +42,8 @@ class GroupwiseWeightObserver(QuantkitObserver):
         scheme: ``"int4"`` (default), ``"int8"`` or ``"nf4"``.
         symmetric: symmetric qparams (zero point 0) instead of affine (ignored by NF4: absmax).
         weight_algorithm: recorded for the rounding algorithms; does not change this observer.
+        gptq_clip_search: recorded for GPTQ (declared as ``gptq_clip_search``): search each group's
+            range by the layer's output error (``GPTQConfig.clip_search``); does not change this observer.
         double_quant: NF4 double quantization of the scales at convert (``scheme="nf4"`` only).
         dtype, quant_min, quant_max: storage dtype and range; defaults: int4 affine uint8 [0, 15],
             int4 symmetric int8 [-8, 7], int8 int8 [-128, 127], NF4 codes uint8 [0, 15].
@@ -55,7 +57,8 @@ class GroupwiseWeightObserver(QuantkitObserver):
     repeat_invariant = True  # it keeps the ranges of the last weight seen: the same weight, the same ranges
 
     def __init__(self, group_size: int, scheme: str = "int4", symmetric: bool = False,
-                 weight_algorithm: str = "rtn", double_quant: bool = False, dtype: torch.dtype | None = None,
+                 weight_algorithm: str = "rtn", double_quant: bool = False, gptq_clip_search: bool = False,
+                 dtype: torch.dtype | None = None,
                  quant_min: int | None = None, quant_max: int | None = None,
                  eps: float = DEFAULT_EPS, **kwargs) -> None:
         if scheme not in WEIGHT_SCHEMES:
@@ -80,6 +83,7 @@ class GroupwiseWeightObserver(QuantkitObserver):
         self.symmetric = symmetric
         self.weight_algorithm = weight_algorithm
         self.double_quant = bool(double_quant)
+        self.gptq_clip_search = bool(gptq_clip_search)
         self.register_buffer("min_val", torch.tensor([]))
         self.register_buffer("max_val", torch.tensor([]))
 
@@ -128,7 +132,8 @@ class GroupwiseWeightObserver(QuantkitObserver):
         self.max_val = torch.maximum(self.max_val, other.max_val)
 
     def extra_repr(self) -> str:
-        dq = ", double_quant=True" if self.double_quant else ""
+        dq = (", double_quant=True" if self.double_quant else "") + (", gptq_clip_search=True"
+                                                                     if self.gptq_clip_search else "")
         return (f"scheme={self.scheme}{dq}, group_size={self.group_size}, symmetric={self.symmetric}, "
                 f"quant_min={self.quant_min}, quant_max={self.quant_max}, algorithm={self.weight_algorithm}, "
                 f"node={self.node_name!r}")

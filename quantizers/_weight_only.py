@@ -24,6 +24,7 @@ _EMBEDDING = {torch.ops.aten.embedding.default}
 
 WEIGHT_ONLY_SCHEMES = {"int4": 4, "nf4": 4, "int8": 8}  # scheme -> bits
 WEIGHT_ONLY_ALGORITHMS = ("rtn", "gptq", "awq", "awq+gptq")  # awq+gptq: AWQ scales, GPTQ rounding
+GPTQ_ROUNDED = ("gptq", "awq+gptq")  # the algorithms whose rounding clip_search refines
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class WeightOnlyConfig(SchemeConfig):
     algorithm: str = "rtn"
     embeddings: bool = False
     double_quant: bool = False
+    clip_search: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8) or isinstance(self.bits, bool):
@@ -64,11 +66,17 @@ class WeightOnlyConfig(SchemeConfig):
         if self.double_quant and scheme != "nf4":
             raise ValueError(f"double_quant quantizes NF4's absmax scales; scheme {scheme!r} has none: "
                              "use scheme='nf4' or drop double_quant")
+        if not isinstance(self.clip_search, bool):
+            raise ValueError(f"clip_search must be True or False, got {self.clip_search!r}")
+        if self.clip_search and self.algorithm not in GPTQ_ROUNDED:
+            raise ValueError(f"clip_search chooses the group ranges GPTQ rounds to; algorithm={self.algorithm!r} "
+                             "has none: use algorithm='gptq' or 'awq+gptq', or drop clip_search")
 
     def quantizer(self) -> "WeightOnlyQuantizer":
         """``WeightOnlyQuantizer`` with these settings for the whole model."""
         return WeightOnlyQuantizer(self.bits, self.group_size, self.scheme, self.symmetric, self.algorithm,
-                                   embeddings=self.embeddings, double_quant=self.double_quant)
+                                   embeddings=self.embeddings, double_quant=self.double_quant,
+                                   clip_search=self.clip_search)
 
 
 class GroupSizeError(QuantkitError):
@@ -132,6 +140,10 @@ class WeightOnlyQuantizer(Quantizer):
         double_quant: NF4 only: QLoRA's double quantization, the absmax scales stored as 8-bit
             floats in blocks of 256 with one fp32 scale per block (4.127 instead of 4.5 bits per
             weight at groups of 64).
+        clip_search: with ``algorithm="gptq"`` or ``"awq+gptq"``: each group's range is searched
+            (shrinks of its min/max, 1 down to 0.5) for the least error of the layer's *output* under
+            the calibration Hessian, instead of the group's min/max (``GPTQConfig.clip_search``;
+            declared on the observers as ``gptq_clip_search``).
 
     Example:
         >>> q = WeightOnlyQuantizer(bits=4, group_size=128).set_module_name("lm_head", None)
@@ -140,11 +152,11 @@ class WeightOnlyQuantizer(Quantizer):
 
     def __init__(self, bits: int = 4, group_size: Optional[int] = 128, scheme: Optional[str] = None,
                  symmetric: bool = False, algorithm: str = "rtn", *, embeddings: bool = False,
-                 double_quant: bool = False) -> None:
+                 double_quant: bool = False, clip_search: bool = False) -> None:
         super().__init__()
         self.global_config: Optional[WeightOnlyConfig] = WeightOnlyConfig(
             bits=bits, group_size=group_size, scheme=scheme, symmetric=symmetric, algorithm=algorithm,
-            embeddings=embeddings, double_quant=double_quant)
+            embeddings=embeddings, double_quant=double_quant, clip_search=clip_search)
         self.module_type_config: dict[str, Optional[WeightOnlyConfig]] = {}
         self.module_name_config: dict[str, Optional[WeightOnlyConfig]] = {}
 
@@ -188,7 +200,8 @@ class WeightOnlyQuantizer(Quantizer):
         group_size = config.group_size or in_features
         ctor = GroupwiseWeightObserver.with_args(
             group_size=group_size, scheme=config.scheme, symmetric=config.symmetric,
-            weight_algorithm=config.algorithm, double_quant=config.double_quant)
+            weight_algorithm=config.algorithm, double_quant=config.double_quant,
+            **({"gptq_clip_search": True} if config.clip_search else {}))
         obs = ctor()
         return QuantizationSpec(
             dtype=obs.dtype, quant_min=obs.quant_min, quant_max=obs.quant_max, qscheme=obs.qscheme,

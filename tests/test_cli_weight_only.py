@@ -25,6 +25,8 @@ _args = mlp_quantize_args
      dict(scheme="w4a16", bits=4, weights="int4", group_size=32, symmetric=False, algorithm="rtn")),
     (["--scheme", "nf4"], dict(scheme="nf4", bits=4, weights="nf4", group_size=64, algorithm="rtn")),
     (["--scheme", "w8a16"], dict(scheme="w8a16", bits=8, weights="int8", group_size=None, symmetric=True)),
+    (["--scheme", "w4a16", "--group-size", "32", "--algorithm", "gptq", "--clip-search"],
+     dict(scheme="w4a16", group_size=32, algorithm="gptq", clip_search=True)),
 ])
 def test_weight_only_schemes_are_recorded(mlp_inputs, tmp_path, extra, expected):
     weights, calib = mlp_inputs
@@ -56,6 +58,9 @@ def test_weight_only_schemes_are_recorded(mlp_inputs, tmp_path, extra, expected)
     (["--scheme", "w4a16", "--group-size", "48", "--algorithm", "gptq"], 1,
      "has 64 input features, not a multiple of --group-size 48 (nor do 2 more layers), and --algorithm gptq rounds"),
     (["--scheme", "w4a16", "--double-quant"], 2, "--double-quant quantizes NF4's scales; --scheme w4a16 has none"),
+    (["--scheme", "w4a16", "--clip-search"], 2,
+     "--clip-search searches the group ranges GPTQ rounds to; --algorithm rtn has none: add --algorithm gptq"),
+    (["--clip-search"], 2, "--clip-search searches the group ranges of weight-only GPTQ; add --scheme"),
 ])
 def test_weight_only_usage_errors(mlp_inputs, tmp_path, capsys, extra, code, message):
     weights, calib = mlp_inputs

@@ -26,6 +26,7 @@ class WeightOnlyRecipe:
     weights: str = "int4"  # WeightOnlyConfig.scheme: int4, int8 or nf4
     symmetric: bool = False
     double_quant: bool = False  # --double-quant (nf4 only)
+    clip_search: bool = False  # --clip-search (gptq, awq+gptq)
 
     @staticmethod
     def from_args(args, config=None) -> "WeightOnlyRecipe | None":
@@ -33,7 +34,11 @@ class WeightOnlyRecipe:
         mean something for the W8A8 recipes (or only for weight-only ones) are usage errors."""
         scheme, group_size = args.scheme, getattr(args, "group_size", None)
         double_quant = bool(getattr(args, "double_quant", None))
+        clip_search = bool(getattr(args, "clip_search", None))
         if not isinstance(config, WeightOnlyConfig):
+            if clip_search:
+                raise inputs.UsageError("--clip-search searches the group ranges of weight-only GPTQ; add --scheme "
+                                        f"{presets_of(WeightOnlyConfig)} --algorithm gptq, or drop it")
             if group_size is not None:
                 raise inputs.UsageError(f"--group-size applies to the weight-only schemes; add --scheme "
                                         f"{presets_of(WeightOnlyConfig)}, or drop it")
@@ -56,9 +61,13 @@ class WeightOnlyRecipe:
                                     "or absmax for nf4); drop it")
         if group_size is not None and group_size < 2:
             raise inputs.UsageError(f"--group-size must be at least 2, got {group_size}")
+        algorithm = getattr(args, "algorithm", None) or config.algorithm
+        if clip_search and algorithm not in ("gptq", "awq+gptq"):
+            raise inputs.UsageError(f"--clip-search searches the group ranges GPTQ rounds to; --algorithm {algorithm} "
+                                    "has none: add --algorithm gptq or awq+gptq, or drop it")
         return WeightOnlyRecipe(scheme, group_size if group_size is not None else config.group_size,
-                                getattr(args, "algorithm", None) or config.algorithm, config.scheme, config.symmetric,
-                                double_quant or config.double_quant)
+                                algorithm, config.scheme, config.symmetric,
+                                double_quant or config.double_quant, clip_search or config.clip_search)
 
     def config(self) -> WeightOnlyConfig:
         """This recipe's ``WeightOnlyConfig`` (what quantization.json's ``config`` records)."""
@@ -68,7 +77,8 @@ class WeightOnlyRecipe:
         """``WeightOnlyQuantizer`` arguments."""
         kw = dict(bits=8 if self.weights == "int8" else 4, group_size=self.group_size, scheme=self.weights,
                   symmetric=self.symmetric, algorithm=self.algorithm)
-        return {**kw, "double_quant": True} if self.double_quant else kw
+        return {**kw, **({"double_quant": True} if self.double_quant else {}),
+                **({"clip_search": True} if self.clip_search else {})}
 
     def quantizer(self, skipped: list[str]):
         """Weight-only linears plus int8 embeddings (as the W8A8 recipes); ``skipped`` modules stay float."""
@@ -88,7 +98,8 @@ class WeightOnlyRecipe:
         return {"scheme": self.scheme, "weight_only": True, "bits": kw["bits"], "weights": kw["scheme"],
                 "group_size": self.group_size, "symmetric": kw["symmetric"], "algorithm": self.algorithm,
                 "activation": None, "ops": ["linear"], "embeddings": "int8 per row",
-                **({"double_quant": True} if self.double_quant else {})}
+                **({"double_quant": True} if self.double_quant else {}),
+                **({"clip_search": True} if self.clip_search else {})}
 
 
 def _group_size_message(exc) -> str:
@@ -147,5 +158,6 @@ def describe_weight_only(r: dict) -> str:
     weights = "NF4" if r.get("weights") == "nf4" else f"{r.get('bits')}-bit {kind}"
     if r.get("double_quant"):
         weights += " (double-quantized scales)"
-    return (f"scheme `{r.get('scheme')}`: {weights} weights ({group}, {r.get('algorithm')} rounding), "
+    rounding = f"{r.get('algorithm')} rounding" + (", ranges searched by output error" if r.get("clip_search") else "")
+    return (f"scheme `{r.get('scheme')}`: {weights} weights ({group}, {rounding}), "
             "float activations, ops linear, int8 embeddings")

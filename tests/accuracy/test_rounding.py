@@ -70,6 +70,40 @@ def test_weight_only_gptq_convert_keeps_the_rounded_weights(scheme):
         torch.testing.assert_close(converted(x), ref(x), rtol=0, atol=1e-5)
 
 
+def test_clip_search_reaches_gptq_through_the_pipeline():
+    """``WeightOnlyQuantizer(clip_search=True)``: the observers declare ``gptq_clip_search`` and the
+    first linear's converted integers are GPTQ's with the range search, from that linear's inputs
+    (its Hessian computed here in float64), not those of plain GPTQ."""
+    from quantkit.accuracy._gptq import GPTQConfig
+
+    model, x, calib = _setup()
+    seen = []
+    hook = model.layers[0].fc1.register_forward_hook(lambda m, args, out: seen.append(args[0].detach()))
+    with torch.no_grad():
+        for batch in calib:
+            model(batch)
+    hook.remove()
+    rows = torch.cat([t.reshape(-1, t.shape[-1]) for t in seen]).double()
+    h = rows.T @ rows / rows.shape[0]
+    w = model.layers[0].fc1.weight.detach()
+    results = {}
+    for clip in (False, True):
+        prepared = quantkit.prepare(quantkit.capture(model, (x[:2],)),
+                                    WeightOnlyQuantizer(group_size=16, symmetric=True, algorithm="gptq", clip_search=clip))
+        lin = next(iter(_weights(prepared).values()))[0]
+        assert getattr(lin.observer, "gptq_clip_search", None) is clip
+        quantkit.calibrate(prepared, calib, progress=False)
+        results[clip] = next(iter(_weights(prepared).values()))[1]
+    scheme = WeightScheme(-8, 7, True, 16)
+    want = gptq_quantize(w, h, scheme, GPTQConfig(clip_search=True)).dequantized
+    plain = gptq_quantize(w, h, scheme, GPTQConfig()).dequantized
+    agree = lambda a, b: float(torch.isclose(a, b, rtol=1e-5, atol=0).float().mean())  # noqa: E731
+    assert agree(results[True], want) >= 0.999
+    assert agree(results[False], plain) >= 0.999 and agree(want, plain) < 0.9
+    with pytest.raises(ValueError, match="clip_search chooses the group ranges GPTQ rounds to; algorithm='awq'"):
+        WeightOnlyQuantizer(group_size=16, algorithm="awq", clip_search=True)
+
+
 def test_gptq_is_sequential():
     """Block 1 is rounded for its inputs computed with block 0 already rounded."""
     model, x, calib = _setup()

@@ -69,8 +69,12 @@ def round_linears(lins: list[RoundedLinear], hessians: dict, block: str, config:
                 "pass batches that run that part of the model"
             )
         w = get_attr(owners[0], lin.weight)
+        cfg = config
         damp = getattr(lin.observer, "gptq_percdamp", None)  # an observer may declare its dampening (FP8)
-        cfg = config if damp is None else replace(config, percdamp=float(damp))
+        if damp is not None:
+            cfg = replace(cfg, percdamp=float(damp))
+        if getattr(lin.observer, "gptq_clip_search", False):  # and its range search (WeightOnlyConfig.clip_search)
+            cfg = replace(cfg, clip_search=True)
         res = gptq_quantize(w.detach(), h.hessian, WeightScheme.of(lin.observer), cfg)
         rounded = res.dequantized.to(w.dtype)
         for owner in owners:
