@@ -12,7 +12,9 @@ torchao: ``quantize_``; llm-compressor: ``oneshot``); model loading and scoring 
 
 Rows (``--rows``; a name, a library, or ``library:name``, comma-separated; default all):
   float; int8-wo (int8 per-channel symmetric weights); int4-g64-{asym,sym}-rtn; int4-g64-asym-{gptq,awq}
-  (and -awq+gptq where the library has it); nf4-g64; w8a8-pt-rtn (int8 per-channel weights, dynamic
+  (and -awq+gptq where the library has it); int4-g64-sym-gptq; quantkit's GPTQ rows search each group's
+  range (``clip_search``, its default), and its int4-g64-{sym,asym}-gptq-noclip rows do not;
+  int4-g64-asym-{awq,awq+gptq}-fold (``awq_fold_only=True``: no explicit ``mul``); nf4-g64; w8a8-pt-rtn (int8 per-channel weights, dynamic
   per-token int8 activations, linears only); w8a8-pt-sq-gptq (SmoothQuant alpha 0.8, then GPTQ); fp8-dynamic
   (E4M3 per-channel weights, dynamic per-token E4M3 activations); and quantkit's KV-cache variants
   ``<row>+kv-int8`` / ``<row>+kv-fp8`` (``quantize(max_cache_len=--window, kv_cache=...)``: the program
@@ -98,6 +100,13 @@ def _quantkit_quantizers() -> dict:
         if algo != "rtn":
             rows[f"int4-g64-asym-{algo}"] = (
                 lambda a=algo: _weight_only(bits=4, group_size=64, symmetric=False, algorithm=a), None)
+    rows["int4-g64-sym-gptq"] = (lambda: _weight_only(bits=4, group_size=64, symmetric=True, algorithm="gptq"), None)
+    for sym in ("sym", "asym"):  # GPTQ with the groups' min/max, as the paper (clip_search off)
+        rows[f"int4-g64-{sym}-gptq-noclip"] = (lambda s=sym: _weight_only(
+            bits=4, group_size=64, symmetric=s == "sym", algorithm="gptq", clip_search=False), None)
+    for algo in ("awq", "awq+gptq"):  # AWQ scales only where they fold (what GGUF / compressed-tensors hold)
+        rows[f"int4-g64-asym-{algo}-fold"] = (lambda a=algo: _weight_only(
+            bits=4, group_size=64, symmetric=False, algorithm=a, awq_fold_only=True), None)
     return rows
 
 
@@ -113,7 +122,7 @@ class _KVForward(torch.nn.Module):
 
 
 def _quantkit_row(name: str, model, calibration: torch.Tensor):
-    base, _, kv = name.partition("+")
+    base, kv = name.rsplit("+", 1) if "+kv-" in name else (name, "")  # "awq+gptq" is an algorithm
     factory, smooth_config = _quantkit_quantizers()[base]
     if kv:
         if smooth_config is not None:  # quantize(max_cache_len=) captures itself: no smoothed graph to pass

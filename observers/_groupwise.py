@@ -44,6 +44,8 @@ class GroupwiseWeightObserver(QuantkitObserver):
         weight_algorithm: recorded for the rounding algorithms; does not change this observer.
         gptq_clip_search: recorded for GPTQ (declared as ``gptq_clip_search``): search each group's
             range by the layer's output error (``GPTQConfig.clip_search``); does not change this observer.
+        awq_fold_only: recorded for AWQ (declared as ``awq_fold_only``): scale this linear's input
+            only where ``1/s`` folds into the op before it, never through an inserted ``mul``.
         double_quant: NF4 double quantization of the scales at convert (``scheme="nf4"`` only).
         dtype, quant_min, quant_max: storage dtype and range; defaults: int4 affine uint8 [0, 15],
             int4 symmetric int8 [-8, 7], int8 int8 [-128, 127], NF4 codes uint8 [0, 15].
@@ -58,7 +60,7 @@ class GroupwiseWeightObserver(QuantkitObserver):
 
     def __init__(self, group_size: int, scheme: str = "int4", symmetric: bool = False,
                  weight_algorithm: str = "rtn", double_quant: bool = False, gptq_clip_search: bool = False,
-                 dtype: torch.dtype | None = None,
+                 awq_fold_only: bool = False, dtype: torch.dtype | None = None,
                  quant_min: int | None = None, quant_max: int | None = None,
                  eps: float = DEFAULT_EPS, **kwargs) -> None:
         if scheme not in WEIGHT_SCHEMES:
@@ -84,6 +86,7 @@ class GroupwiseWeightObserver(QuantkitObserver):
         self.weight_algorithm = weight_algorithm
         self.double_quant = bool(double_quant)
         self.gptq_clip_search = bool(gptq_clip_search)
+        self.awq_fold_only = bool(awq_fold_only)
         self.register_buffer("min_val", torch.tensor([]))
         self.register_buffer("max_val", torch.tensor([]))
 
@@ -132,8 +135,9 @@ class GroupwiseWeightObserver(QuantkitObserver):
         self.max_val = torch.maximum(self.max_val, other.max_val)
 
     def extra_repr(self) -> str:
-        dq = (", double_quant=True" if self.double_quant else "") + (", gptq_clip_search=True"
-                                                                     if self.gptq_clip_search else "")
+        dq = (", double_quant=True" if self.double_quant else "") + (
+            ", gptq_clip_search=True" if self.gptq_clip_search else "") + (
+            ", awq_fold_only=True" if self.awq_fold_only else "")
         return (f"scheme={self.scheme}{dq}, group_size={self.group_size}, symmetric={self.symmetric}, "
                 f"quant_min={self.quant_min}, quant_max={self.quant_max}, algorithm={self.weight_algorithm}, "
                 f"node={self.node_name!r}")

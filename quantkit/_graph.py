@@ -7,6 +7,8 @@
 - the op families of quantized graphs (:data:`QUANTIZE_OPS`, :data:`DEQUANTIZE_OPS`,
   :data:`CHOOSE_QPARAMS_OPS`, the float8 and group-wise sets), the annotation key, the names convert
   gives folded weights (:data:`FOLDED_PREFIX`) and its qparams record (:data:`QPARAMS_META_KEY`);
+- explicit per-channel input scales that SmoothQuant/AWQ insert where ``1/s`` folds into no op
+  (:data:`INPUT_SCALE_PREFIX`, :func:`explicit_input_scales`);
 - observers in a graph: :func:`is_observer_module`, :func:`is_observer_node`, :func:`is_calibrated`;
 - constants: :func:`mutated_attributes`, :func:`constant_value`;
 - a node's example tensor from torch.export: :func:`example_value`.
@@ -28,7 +30,7 @@ __all__ = [
     "QUANTIZE_OPS", "DEQUANTIZE_OPS", "CHOOSE_QPARAMS_OPS", "FLOAT8_QUANTIZE_OPS", "FLOAT8_DEQUANTIZE_OPS",
     "FLOAT8_CHOOSE_OPS", "GROUPWISE_DEQUANTIZE_OPS", "ANNOTATION_KEY", "FOLDED_PREFIX", "QPARAMS_META_KEY",
     "is_observer_module", "is_observer_node", "is_calibrated", "mutated_attributes", "constant_value",
-    "example_value",
+    "example_value", "INPUT_SCALE_PREFIX", "explicit_input_scales",
 ]
 
 # --- op families and names of quantized graphs -------------------------------------------------
@@ -238,3 +240,15 @@ def example_value(node) -> torch.Tensor | None:
     no value recorded (nodes a pass made), or not a tensor."""
     val = node.meta.get("val") if isinstance(node, Node) else None
     return val if isinstance(val, torch.Tensor) else None
+
+
+# the buffers of ``x * (1/s)`` that SmoothQuant and AWQ insert before linears (accuracy._folding.insert_mul)
+INPUT_SCALE_PREFIX = "_qk_smooth_inv_"
+
+
+def explicit_input_scales(gm: GraphModule) -> list[Node]:
+    """The ``mul`` nodes of ``gm`` that scale an activation by an inserted :data:`INPUT_SCALE_PREFIX`
+    buffer (an export with no tensor for them must refuse or fold them)."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.mul.Tensor
+            and any(isinstance(a, Node) and a.op == "get_attr" and str(a.target).startswith(INPUT_SCALE_PREFIX)
+                    for a in n.args)]

@@ -19,6 +19,11 @@ from quantkit.quantizers import FP8Config, SchemeConfig, available_schemes, get_
 from tests.cli_factories import mlp_quantize_args, write_mlp_inputs
 
 RECORDED = json.loads((Path(__file__).with_name("data") / "cli_recipes_pre_registry.json").read_text())
+# changes made on purpose since that commit, each with its reason
+INTENDED = {
+    # issue 31: GPTQ's output-error range search is weight-only GPTQ's default (measured on SmolLM2)
+    "--scheme w4a16 --group-size 32 --algorithm gptq": {"clip_search": True},
+}
 
 
 def _recipe(extra: list[str]) -> Recipe:
@@ -27,7 +32,7 @@ def _recipe(extra: list[str]) -> Recipe:
 
 @pytest.mark.parametrize("line", sorted(RECORDED))
 def test_recipes_are_the_pre_registry_ones(line):
-    assert _recipe(line.split()).to_json() == RECORDED[line]
+    assert _recipe(line.split()).to_json() == {**RECORDED[line], **INTENDED.get(line, {})}
 
 
 def test_scheme_choices_are_the_registry():

@@ -25,8 +25,10 @@ _args = mlp_quantize_args
      dict(scheme="w4a16", bits=4, weights="int4", group_size=32, symmetric=False, algorithm="rtn")),
     (["--scheme", "nf4"], dict(scheme="nf4", bits=4, weights="nf4", group_size=64, algorithm="rtn")),
     (["--scheme", "w8a16"], dict(scheme="w8a16", bits=8, weights="int8", group_size=None, symmetric=True)),
-    (["--scheme", "w4a16", "--group-size", "32", "--algorithm", "gptq", "--clip-search"],
+    (["--scheme", "w4a16", "--group-size", "32", "--algorithm", "gptq"],  # the range search is GPTQ's default
      dict(scheme="w4a16", group_size=32, algorithm="gptq", clip_search=True)),
+    (["--scheme", "w4a16", "--group-size", "32", "--algorithm", "gptq", "--no-clip-search"],
+     dict(scheme="w4a16", group_size=32, algorithm="gptq", clip_search=False)),
 ])
 def test_weight_only_schemes_are_recorded(mlp_inputs, tmp_path, extra, expected):
     weights, calib = mlp_inputs
@@ -60,7 +62,8 @@ def test_weight_only_schemes_are_recorded(mlp_inputs, tmp_path, extra, expected)
     (["--scheme", "w4a16", "--double-quant"], 2, "--double-quant quantizes NF4's scales; --scheme w4a16 has none"),
     (["--scheme", "w4a16", "--clip-search"], 2,
      "--clip-search searches the group ranges GPTQ rounds to; --algorithm rtn has none: add --algorithm gptq"),
-    (["--clip-search"], 2, "--clip-search searches the group ranges of weight-only GPTQ; add --scheme"),
+    (["--clip-search"], 2, "--clip-search sets the group range search of weight-only GPTQ; add --scheme"),
+    (["--no-clip-search"], 2, "--no-clip-search sets the group range search of weight-only GPTQ; add --scheme"),
 ])
 def test_weight_only_usage_errors(mlp_inputs, tmp_path, capsys, extra, code, message):
     weights, calib = mlp_inputs

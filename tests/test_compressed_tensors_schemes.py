@@ -225,6 +225,8 @@ WEIGHT_ONLY = {
     "w4a16-asym-g32": dict(bits=4, group_size=32),
     "w4a16-sym-g32": dict(bits=4, group_size=32, symmetric=True),
     "w8a16-channel": dict(bits=8, group_size=None, symmetric=True),
+    # AWQ's 1/s folded into the RMSNorms and the up rows (o_proj left unscaled): what the file holds
+    "w4a16-sym-g32-awq": dict(bits=4, group_size=32, symmetric=True, algorithm="awq", awq_fold_only=True),
 }
 
 
@@ -242,6 +244,9 @@ def test_tiny_llama_weight_only(llama, tmp_path, recipe):
     w = group["weights"]
     assert qc["format"] == "pack-quantized" and group["input_activations"] is None
     cfg = WEIGHT_ONLY[recipe]
+    if cfg.get("algorithm") == "awq":  # the folds did move the norms the file holds
+        norm = "model.layers.0.input_layernorm.weight"
+        assert not torch.allclose(_safetensors(out)[norm].float(), llama[0].get_parameter(norm), rtol=0.05)
     assert (w["num_bits"], w["symmetric"], w["strategy"], w["group_size"]) == (
         cfg["bits"], cfg.get("symmetric", False), "group" if cfg["group_size"] else "channel", cfg["group_size"])
     _check_group_files(out, qmodel, 15)
@@ -258,6 +263,36 @@ def test_tiny_llama_weight_only(llama, tmp_path, recipe):
         got = loaded(**batch).logits
         ref = qmodel(**batch)["logits"]
     assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
+
+
+def test_explicit_input_scales_are_refused_unless_folded(llama, tmp_path):
+    """SmoothQuant and AWQ leave ``x * (1/s)`` before grouped-query attention's o_proj, where 1/s
+    folds into no op; no compressed-tensors tensor holds it: one line naming the layer and the
+    options, nothing written. With fold_only (SmoothQuant) the W8A8 checkpoint exports and
+    transformers computes quantkit's logits."""
+    from quantkit.quantizers import QuantConfig, W8A8Quantizer
+
+    _, path, batches, gm = llama
+    for smoothed, quantizer in (
+            (gm, WeightOnlyQuantizer(bits=4, group_size=32, symmetric=True, algorithm="awq")),
+            (quantkit.smooth_quant(gm, batches[:1], alpha=0.5), W8A8Quantizer(QuantConfig(ops=frozenset({"linear"}))))):
+        qmodel = _quantize(smoothed, batches[:1], quantizer)
+        with pytest.raises(quantkit.QuantkitError) as exc:
+            quantkit.export_compressed_tensors(qmodel, path, tmp_path / "x", **AS_BEFORE)
+        msg = str(exc.value)
+        assert "\n" not in msg and msg.startswith("model.layers.0.self_attn.o_proj and "), msg
+        assert "more read their input through an explicit per-channel scale" in msg
+        assert "fold_only=True" in msg and not (tmp_path / "x").exists()
+    smoothed = quantkit.smooth_quant(gm, batches[:1], alpha=0.5, fold_only=True)
+    kinds = [r["folded_into"].split(":")[0] for r in smoothed.meta["quantkit_smoothquant"]]
+    assert kinds == ["norm", "unscaled", "norm", "gate"] * 2, kinds  # (the tied lm_head has no own weight)
+    qmodel = _quantize(smoothed, batches[:1], W8A8Quantizer(QuantConfig(ops=frozenset({"linear"}))))
+    out = tmp_path / "sq"
+    quantkit.export_compressed_tensors(qmodel, path, out, inputs=batches[1:], **AS_BEFORE)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        got, ref = loaded(**batches[1]).logits, qmodel(**batches[1])["logits"]
+    assert token_cosines(ref, got, batches[1]["attention_mask"]).min() >= 0.9999
 
 
 def test_nf4_is_refused_or_kept_float(llama, tmp_path):

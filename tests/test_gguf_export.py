@@ -21,6 +21,7 @@ tokenizers = pytest.importorskip("tokenizers")
 import quantkit  # noqa: E402
 from quantkit import _hf  # noqa: E402
 from quantkit._errors import QuantkitError  # noqa: E402
+from quantkit.accuracy.rounding import ROUNDING_META_KEY  # noqa: E402
 from quantkit.cli import main  # noqa: E402
 from quantkit.quantizers import W8A8Quantizer, WeightOnlyQuantizer  # noqa: E402
 
@@ -241,13 +242,14 @@ def test_float_export_metadata_and_tokenizer(request, tmp_path, arch):
     assert half.tensors["blk.0.attn_q.weight"] == "F16" and half.tensors["blk.0.attn_norm.weight"] == "F32"
 
 
-@pytest.mark.parametrize("algorithm", ["rtn", "gptq"])
+@pytest.mark.parametrize("algorithm", ["rtn", "gptq", "awq"])
 def test_llamacpp_runs_it(llama, tmp_path, algorithm):
     """llama.cpp itself loads the Q4_0 file and computes quantkit's logits (its 8-bit activations
     aside: measured min cosine 0.99996 on this model), GPTQ's rounding included."""
     llama_cpp = pytest.importorskip("llama_cpp")
     model, path, batch, gm = llama
-    qmodel = _quantize(gm, batch, WeightOnlyQuantizer(bits=4, group_size=32, symmetric=True, algorithm=algorithm))
+    qmodel = _quantize(gm, batch, WeightOnlyQuantizer(bits=4, group_size=32, symmetric=True, algorithm=algorithm,
+                                                      awq_fold_only=algorithm == "awq"))
     out = tmp_path / "q.gguf"
     quantkit.export_gguf(qmodel, out, model=path)
     llm = llama_cpp.Llama(str(out), logits_all=True, n_threads=2, n_ctx=32, verbose=False)
@@ -290,13 +292,49 @@ def test_refuses_weights_gguf_cannot_hold(llama, tmp_path, kwargs, message):
 
 
 def test_refuses_awq_scales_left_as_a_mul(llama, tmp_path):
-    """AWQ on this captured Llama keeps 1/s as explicit muls before the linears (none folds into the
-    decomposed RMSNorm or a quantized neighbour); GGUF has no tensor for them: refused, one line."""
+    """AWQ's default keeps 1/s as an explicit mul where it folds into no op: before grouped-query
+    attention's o_proj (the other groups fold into the decomposed RMSNorms and the gated MLP's up
+    rows); GGUF has no tensor for it: refused, one line naming the layer and awq_fold_only."""
     _, path, batch, gm = llama
     qmodel = _quantize(gm, batch, WeightOnlyQuantizer(bits=4, group_size=32, symmetric=True, algorithm="awq"))
+    kinds = {r["folded_into"].split(":")[0] for r in qmodel.meta[ROUNDING_META_KEY] if r.get("folded_into")}
+    assert kinds == {"norm", "gate", "mul"}, kinds
     with pytest.raises(QuantkitError) as exc:
         quantkit.export_gguf(qmodel, tmp_path / "x.gguf", model=path, skip_unsupported=True)
-    assert "scales a linear's input by a constant (AWQ" in _one_line(exc) and not (tmp_path / "x.gguf").exists()
+    msg = _one_line(exc)
+    assert "o_proj scales a linear's input by a constant (AWQ" in msg and "awq_fold_only=True" in msg
+    assert not (tmp_path / "x.gguf").exists()
+
+
+@pytest.mark.parametrize("algorithm", ["awq", "awq+gptq"])
+def test_awq_folded_scales_load_in_transformers(llama, tmp_path, algorithm):
+    """AWQ with awq_fold_only: 1/s folded into the RMSNorm weights and the up rows, o_proj unscaled,
+    no mul left; the GGUF file, loaded by transformers' own GGUF reader (which dequantizes the
+    blocks), computes quantkit's program; the norms it holds are the folded ones, and (AWQ's
+    round to nearest) every group still spans its whole grid: the qparams follow the folded rows."""
+    model, path, batch, gm = llama
+    qmodel = _quantize(gm, batch, WeightOnlyQuantizer(bits=4, group_size=32, symmetric=True, algorithm=algorithm,
+                                                      awq_fold_only=True))
+    kinds = [r["folded_into"] for r in qmodel.meta[ROUNDING_META_KEY] if "folded_into" in r]
+    assert not any(k == "mul" for k in kinds) and kinds.count("unscaled") >= 2  # each layer's o_proj
+    assert any(str(k).startswith("gate:") for k in kinds) and any(str(k).startswith("norm:") for k in kinds)
+    assert not any(k.startswith("_qk_smooth_inv_") for k, _ in qmodel.named_buffers())
+    quantkit.export_gguf(qmodel, tmp_path / "a.gguf", model=path)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "a.gguf")).tensors}
+    norms = [torch.from_numpy(np.asarray(tensors[f"blk.{i}.{n}_norm.weight"].data).copy())
+             / getattr(model.model.layers[i], f"{hf}_layernorm").weight.detach()
+             for i in range(2) for n, hf in (("attn", "input"), ("ffn", "post_attention"))]
+    assert max(float((r - 1).abs().max()) for r in norms) > 0.05  # the folds moved the norms
+    for module, (q, _, zp, _) in _graph_weights(qmodel).items() if algorithm == "awq" else ():  # (GPTQ's
+        span = (q - zp.repeat_interleave(32, 1)).reshape(q.shape[0], -1, 32).abs().amax(-1)  # updates move them)
+        assert int(span.min()) >= 7, module
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="a.gguf",
+                                                           dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref, got = qmodel(**batch)["logits"], hf(**batch).logits
+    cos = torch.nn.functional.cosine_similarity(got.double(), ref.double(), -1)
+    # fp16 block scales; measured 0.99999993 (awq)
+    assert cos.min() >= 0.99999 and (got - ref).abs().max() <= 2e-3 * ref.abs().max(), cos.min()
 
 
 def test_refuses_activation_quantization_and_other_architectures(llama, tmp_path):

@@ -54,7 +54,9 @@ def _schemes():
                                   0.5, False),
         "w4a16": (lambda: WeightOnlyQuantizer(bits=4, group_size=128), None, True),
         "w4a16-sym-g32": (lambda: WeightOnlyQuantizer(bits=4, group_size=32, symmetric=True), None, True),
-        "w4a16-gptq": (lambda: WeightOnlyQuantizer(bits=4, group_size=128, algorithm="gptq"), None, False),
+        # recorded before clip_search became GPTQ's default: pinned off, these numbers still hold
+        "w4a16-gptq": (lambda: WeightOnlyQuantizer(bits=4, group_size=128, algorithm="gptq", clip_search=False),
+                       None, False),
         "w4a16-awq": (lambda: WeightOnlyQuantizer(bits=4, group_size=128, algorithm="awq"), None, False),
         "w8a16": (lambda: WeightOnlyQuantizer(bits=8, group_size=None, symmetric=True), None, True),
         "nf4": (lambda: WeightOnlyQuantizer(bits=4, group_size=64, scheme="nf4"), None, True),

@@ -183,3 +183,68 @@ def test_one_statistics_pass_serves_several_configs_with_the_same_factors(monkey
         quantkit.smooth_quant(gm, calib, alpha="auto", statistics=few)
     fixed = quantkit.smooth_quant(gm, calib, alpha=0.5, statistics=few)  # ranges are all a fixed alpha needs
     assert fixed.meta[SMOOTHQUANT_META_KEY] == quantkit.smooth_quant(gm, calib, alpha=0.5).meta[SMOOTHQUANT_META_KEY]
+
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=64, vocab_size=50)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # outlier channels in every norm's output, as in real LLMs
+        for layer in model.model.layers:
+            layer.input_layernorm.weight[:2] = 20.0
+            layer.post_attention_layernorm.weight[3] = 15.0
+    gen = torch.Generator().manual_seed(1)
+    batches = [{"input_ids": torch.randint(0, 50, (2, 10), generator=gen),
+                "attention_mask": torch.ones(2, 10, dtype=torch.long)} for _ in range(2)]
+    return model, batches
+
+
+def test_folds_into_decomposed_rmsnorm_and_the_gated_mlp():
+    """On a captured HF Llama the RMSNorm is decomposed (its last op ``w * x̂``) and the MLP is
+    ``down(silu(gate(x)) * up(x))``: 1/s folds into the norm's ``w`` and into ``up``'s rows; only
+    grouped-query attention's o_proj (and lm_head, behind a slice) needs an inserted mul (none with
+    fold_only). The factors
+    are the paper's formula on activations read by hooks on the HF model, and the smoothed graph
+    computes the float model."""
+    from quantkit import _hf
+
+    model, batches = _tiny_llama()
+    gm = quantkit.capture(model, batches[0], dynamic_shapes=_hf.dynamic_shapes(batches[0]))
+    muls = _count(gm, aten.mul.Tensor)
+    seen = {}
+    hooks = [m.register_forward_pre_hook(lambda m, a, name=name: seen.setdefault(name, []).append(
+        a[0].detach().reshape(-1, a[0].shape[-1]))) for name, m in model.named_modules()
+        if name.endswith(("q_proj", "gate_proj", "down_proj"))]
+    with torch.no_grad():
+        for b in batches:
+            ref = model(**b)
+    for h in hooks:
+        h.remove()
+
+    def s_ref(inp, *weights):  # alpha 0.5: sqrt(max|x_j|) / sqrt(max_i |W_ij|), in float64
+        act = torch.cat(seen[inp]).abs().amax(0).double()
+        w = torch.stack([model.get_parameter(f"{n}.weight").abs().amax(0) for n in weights]).amax(0).double()
+        return (act.sqrt() / w.sqrt()).float()
+
+    for fold_only in (False, True):
+        smoothed = quantkit.smooth_quant(gm, batches, alpha=0.5, fold_only=fold_only)
+        kinds = [r["folded_into"].split(":")[0] for r in smoothed.meta[SMOOTHQUANT_META_KEY]]
+        mul = "unscaled" if fold_only else "mul"
+        # per layer: q/k/v, o_proj, gate/up, down; then lm_head (it reads the final norm through a slice)
+        assert kinds == ["norm", mul, "norm", "gate"] * 2 + [mul], kinds
+        assert _count(smoothed, aten.mul.Tensor) == muls + (0 if fold_only else 3)
+        with torch.no_grad():
+            got = smoothed(**batches[1])["logits"]
+        assert (got - ref.logits).abs().max() <= 1e-4 * ref.logits.abs().max()
+        p = "model.layers.1"
+        s_qkv = s_ref(f"{p}.self_attn.q_proj", *(f"{p}.self_attn.{n}_proj" for n in "qkv"))
+        s_gu = s_ref(f"{p}.mlp.gate_proj", f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj")
+        s_down = s_ref(f"{p}.mlp.down_proj", f"{p}.mlp.down_proj")
+        torch.testing.assert_close(smoothed.get_parameter(f"{p}.input_layernorm.weight"),
+                                   model.get_parameter(f"{p}.input_layernorm.weight") / s_qkv, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(smoothed.get_parameter(f"{p}.mlp.up_proj.weight"),
+                                   model.get_parameter(f"{p}.mlp.up_proj.weight") * s_gu / s_down[:, None],
+                                   rtol=1e-4, atol=1e-6)
+    assert model.model.layers[1].input_layernorm.weight[0] == 20.0  # the float model untouched

@@ -28,7 +28,7 @@ from ..pipeline._capture import capture
 from ..pipeline._distributed import use_distributed
 from ..pipeline._layers import DEQUANTIZE_OPS, layer_of
 from ..pipeline._sharing import observer_for_spec
-from ._folding import FoldGroup, attr_use_counts, fold_target, insert_mul, own_attr
+from ._folding import FoldGroup, apply_fold, attr_use_counts, fold_target, insert_mul, own_attr
 from ._metrics import reiterable
 from .rounding._sync import sync_channel_stats, synced_pass
 
@@ -221,7 +221,7 @@ def _w8a8_error(rows, mn, mx, weights, s, config, refs=None) -> float:
 
 def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | str = 0.5, *,
                  example_inputs=None, config=None, distributed: bool | str = "auto",
-                 statistics: SmoothQuantStatistics | None = None) -> GraphModule:
+                 statistics: SmoothQuantStatistics | None = None, fold_only: bool = False) -> GraphModule:
     """Return a captured copy of ``model`` with activation outliers moved into linear weights.
 
     The result computes the same function in float (up to rounding); quantize it as
@@ -248,17 +248,24 @@ def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | st
             ``alpha="auto"``'s row sample: see ``quantkit.accuracy.rounding._sync``).
         statistics: :func:`smoothquant_statistics` of ``model`` (a captured GraphModule, this
             very object) on ``calib_data``: used instead of running the data again.
+        fold_only: smooth only the groups whose ``1/s`` folds into the op before them (a norm,
+            decomposed or not, a linear's rows, a gated MLP's ``up`` rows); the others stay
+            unsmoothed instead of reading their input through an inserted ``mul``, which
+            compressed-tensors and GGUF cannot hold (llm-compressor's mappings do the same).
 
     Returns:
         The smoothed GraphModule. ``gm.meta["quantkit_smoothquant"]`` lists each
         smoothed group: its linears, modules, α and where ``1/s`` went
-        (``"norm"``, ``"linear"`` or ``"mul"``).
+        (``"norm:<node>"``, ``"linear:<node>"``, ``"gate:<node>"``, ``"mul"``, or ``"unscaled"``
+        with ``fold_only``).
 
     Example:
         >>> smoothed = quantkit.smooth_quant(model, calib, alpha=0.5)
         >>> qmodel = quantkit.quantize(smoothed, (x[:8],), calib)
     """
     alpha = _check_alpha(alpha)
+    if not isinstance(fold_only, bool):
+        raise ValueError(f"fold_only must be True or False, got {fold_only!r}")
     distributed = use_distributed(distributed)
     if config is None:
         config = QuantConfig()
@@ -298,6 +305,12 @@ def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | st
         weights = [get_attr(gm, lin.args[1].target).detach() for lin in group.linears]
         if any(w.numel() == 0 for w in weights):
             continue  # a zero-width layer in the group: nothing to balance (it stays float)
+        target = fold_target(gm, group, counts)
+        if target is None and fold_only:
+            layers = [layer_of(lin) for lin in group.linears]
+            records.append({"layers": [l.name for l in layers], "modules": [l.module for l in layers],
+                            "alpha": None, "folded_into": "unscaled"})
+            continue
         act_max = torch.maximum(st.min.abs(), st.max.abs()).double()
         w_max = torch.stack([w.abs().amax(0) for w in weights]).amax(0).double()
         chosen = alpha
@@ -313,7 +326,6 @@ def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | st
             records.append({**record, "folded_into": None})
             continue
         s = _scales(act_max, w_max, chosen).float()
-        target = fold_target(gm, group, counts)
         with torch.no_grad():
             for lin in group.linears:
                 get_attr(gm, lin.args[1].target).mul_(s)
@@ -321,9 +333,8 @@ def smooth_quant(model: torch.nn.Module, calib_data: Iterable, alpha: float | st
                 insert_mul(gm, group, (1.0 / s).to(st.min.device), i)
                 kind = "mul"
             else:
-                kind, tensors = target
-                for t, rows_axis in tensors:
-                    t.div_(s[:, None] if rows_axis else s)
+                kind, attrs = target
+                apply_fold(gm, attrs, s)
         records.append({**record, "folded_into": kind if kind == "mul" else f"{kind}:{group.source.name}"})
     gm.recompile()
     gm.meta[SMOOTHQUANT_META_KEY] = records

@@ -139,6 +139,7 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
     from quantkit.pipeline._inputs import call_model
     from quantkit.pipeline._variants import Variants, scoring_copy
 
+    from . import _export
     from . import _report as report
 
     import torch
@@ -195,7 +196,7 @@ def choose(args, base, loaded, gm, calib, heldout, heldout_origins, module_names
             if "stats" not in sq_stats:  # one pass over the data for every SmoothQuant recipe
                 sq_stats["stats"] = smoothquant_statistics(gm, calib)
             smoothed[k] = quantkit.smooth_quant(gm, calib, alpha=cli.smoothquant, config=cli.config(),
-                                                statistics=sq_stats["stats"])
+                                                statistics=sq_stats["stats"], fold_only=_export.folds_only(args))
         return smoothed[k]
 
     def evaluate(auto, trials):

@@ -14,12 +14,18 @@ from .._quiet import silenced
 from . import _gguf
 from . import _inputs as inputs
 
-__all__ = ["FORMATS", "SUBDIR", "parse_formats", "check", "write", "summary", "describe", "refuse_sequential",
+__all__ = ["FORMATS", "SUBDIR", "folds_only", "parse_formats", "check", "write", "summary", "describe", "refuse_sequential",
            "lm_head_float"]
 
 PT2, CT, GGUF = "pt2", "compressed-tensors", _gguf.GGUF
 FORMATS = (PT2, CT, GGUF)
 SUBDIR = CT  # where --format pt2,compressed-tensors puts the HF directory inside the artifact
+
+
+def folds_only(args) -> bool:
+    """Whether SmoothQuant/AWQ must leave no explicit input-scale ``mul`` (``--format`` names an
+    export that has no tensor for one: compressed-tensors, GGUF)."""
+    return bool({CT, GGUF} & set(parse_formats(getattr(args, "format", None))))
 
 
 def parse_formats(text: str | None) -> tuple[str, ...]:

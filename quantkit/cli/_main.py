@@ -109,9 +109,10 @@ def _build_parser(observers: bool = False) -> argparse.ArgumentParser:
     recipe.add_argument("--algorithm", choices=["rtn", "gptq", "awq", "awq+gptq"],
                         help="how weights are rounded (int and FP8 schemes): rtn (to nearest; default), gptq or awq "
                              "(need calibration data); awq+gptq: AWQ's scales then GPTQ's rounding (weight-only)")
-    recipe.add_argument("--clip-search", action="store_true", default=None,
+    recipe.add_argument("--clip-search", action=argparse.BooleanOptionalAction, default=None,
                         help="weight-only with --algorithm gptq or awq+gptq: choose each group's range (shrinks of "
-                             "its min/max down to 0.5) by the layer's output error under the calibration data")
+                             "its min/max down to 0.5) by the layer's output error under the calibration data "
+                             "(default on for those; --no-clip-search: the groups' min/max, as the GPTQ paper)")
     recipe.add_argument("--activation", choices=["affine-uint8", "symmetric-int8", "affine-uint7"],
                         help="activation integers (default affine-uint8 static, symmetric-int8 dynamic); "
                              "affine-uint7 lets oneDNN run exactly on CPUs without VNNI")

@@ -415,7 +415,8 @@ def run_quantize(args, say) -> int:
     if recipe.smoothquant is not None:
         # the search's SmoothQuant graph of the chosen recipe where it made one (the same call)
         gm = smoothed if smoothed is not None else \
-            quantkit.smooth_quant(gm, calib, alpha=recipe.smoothquant, config=recipe.config())
+            quantkit.smooth_quant(gm, calib, alpha=recipe.smoothquant, config=recipe.config(),
+                                  fold_only=_export.folds_only(args))
         t = clock.lap("smoothquant", t)
     fallback = None
     if recipe.accuracy_budget is not None:

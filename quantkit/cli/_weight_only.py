@@ -7,8 +7,9 @@ import functools
 from dataclasses import dataclass
 
 from .._errors import QuantkitError
-from ..quantizers._weight_only import WeightOnlyConfig
+from ..quantizers._weight_only import GPTQ_ROUNDED, WeightOnlyConfig
 from . import _inputs as inputs
+from ._export import folds_only
 from ._registered import presets_of
 
 __all__ = ["WeightOnlyRecipe", "check_weight_algorithm", "describe_weight_only"]
@@ -26,7 +27,8 @@ class WeightOnlyRecipe:
     weights: str = "int4"  # WeightOnlyConfig.scheme: int4, int8 or nf4
     symmetric: bool = False
     double_quant: bool = False  # --double-quant (nf4 only)
-    clip_search: bool = False  # --clip-search (gptq, awq+gptq)
+    clip_search: bool = False  # --clip-search / --no-clip-search (gptq, awq+gptq: default on)
+    awq_fold_only: bool = False  # AWQ for --format gguf / compressed-tensors: no inserted muls
 
     @staticmethod
     def from_args(args, config=None) -> "WeightOnlyRecipe | None":
@@ -34,11 +36,12 @@ class WeightOnlyRecipe:
         mean something for the W8A8 recipes (or only for weight-only ones) are usage errors."""
         scheme, group_size = args.scheme, getattr(args, "group_size", None)
         double_quant = bool(getattr(args, "double_quant", None))
-        clip_search = bool(getattr(args, "clip_search", None))
+        clip_search = getattr(args, "clip_search", None)  # None: the default for the algorithm
         if not isinstance(config, WeightOnlyConfig):
-            if clip_search:
-                raise inputs.UsageError("--clip-search searches the group ranges of weight-only GPTQ; add --scheme "
-                                        f"{presets_of(WeightOnlyConfig)} --algorithm gptq, or drop it")
+            if clip_search is not None:
+                raise inputs.UsageError(f"--{'' if clip_search else 'no-'}clip-search sets the group range search of "
+                                        f"weight-only GPTQ; add --scheme {presets_of(WeightOnlyConfig)} --algorithm "
+                                        "gptq, or drop it")
             if group_size is not None:
                 raise inputs.UsageError(f"--group-size applies to the weight-only schemes; add --scheme "
                                         f"{presets_of(WeightOnlyConfig)}, or drop it")
@@ -62,12 +65,17 @@ class WeightOnlyRecipe:
         if group_size is not None and group_size < 2:
             raise inputs.UsageError(f"--group-size must be at least 2, got {group_size}")
         algorithm = getattr(args, "algorithm", None) or config.algorithm
-        if clip_search and algorithm not in ("gptq", "awq+gptq"):
+        if clip_search is None:
+            clip_search = algorithm in GPTQ_ROUNDED
+        if clip_search and algorithm not in GPTQ_ROUNDED:
             raise inputs.UsageError(f"--clip-search searches the group ranges GPTQ rounds to; --algorithm {algorithm} "
                                     "has none: add --algorithm gptq or awq+gptq, or drop it")
+        # GGUF and compressed-tensors hold no tensor for an input scale that folds nowhere
+        fold_only = algorithm in ("awq", "awq+gptq") and folds_only(args)
         return WeightOnlyRecipe(scheme, group_size if group_size is not None else config.group_size,
                                 algorithm, config.scheme, config.symmetric,
-                                double_quant or config.double_quant, clip_search or config.clip_search)
+                                double_quant or config.double_quant, clip_search,
+                                fold_only or config.awq_fold_only)
 
     def config(self) -> WeightOnlyConfig:
         """This recipe's ``WeightOnlyConfig`` (what quantization.json's ``config`` records)."""
@@ -78,7 +86,8 @@ class WeightOnlyRecipe:
         kw = dict(bits=8 if self.weights == "int8" else 4, group_size=self.group_size, scheme=self.weights,
                   symmetric=self.symmetric, algorithm=self.algorithm)
         return {**kw, **({"double_quant": True} if self.double_quant else {}),
-                **({"clip_search": True} if self.clip_search else {})}
+                **({"clip_search": self.clip_search} if self.algorithm in GPTQ_ROUNDED else {}),
+                **({"awq_fold_only": True} if self.awq_fold_only else {})}
 
     def quantizer(self, skipped: list[str]):
         """Weight-only linears plus int8 embeddings (as the W8A8 recipes); ``skipped`` modules stay float."""
@@ -99,7 +108,8 @@ class WeightOnlyRecipe:
                 "group_size": self.group_size, "symmetric": kw["symmetric"], "algorithm": self.algorithm,
                 "activation": None, "ops": ["linear"], "embeddings": "int8 per row",
                 **({"double_quant": True} if self.double_quant else {}),
-                **({"clip_search": True} if self.clip_search else {})}
+                **({"clip_search": self.clip_search} if self.algorithm in GPTQ_ROUNDED else {}),
+                **({"awq_fold_only": True} if self.awq_fold_only else {})}
 
 
 def _group_size_message(exc) -> str:
@@ -159,5 +169,7 @@ def describe_weight_only(r: dict) -> str:
     if r.get("double_quant"):
         weights += " (double-quantized scales)"
     rounding = f"{r.get('algorithm')} rounding" + (", ranges searched by output error" if r.get("clip_search") else "")
+    if r.get("awq_fold_only"):
+        rounding += ", AWQ scales only where they fold into the op before (the export has no input-scale tensor)"
     return (f"scheme `{r.get('scheme')}`: {weights} weights ({group}, {rounding}), "
             "float activations, ops linear, int8 embeddings")

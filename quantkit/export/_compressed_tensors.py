@@ -34,7 +34,7 @@ from torch.fx import GraphModule
 
 from .. import _hf
 from .._errors import QuantkitError
-from .._graph import type_name
+from .._graph import explicit_input_scales, module_scopes, type_name
 from ..pipeline._inputs import call_model
 from . import _atomic
 from ._ct_plan import ActQuant, Plan, float_value, read_graph, recorded_modules
@@ -544,6 +544,19 @@ def write_checkpoint(qmodel: GraphModule, model_dir: str | os.PathLike, director
         raise QuantkitError("this loaded artifact has no quantization.json records to name its layers by (a graph "
                             "read from model.pt2 keeps no module names); export the model quantkit.quantize or "
                             "quantkit.convert returns, or an artifact directory with its quantization.json")
+    scaled = explicit_input_scales(qmodel)
+    if scaled:  # no tensor holds x * (1/s): the engine would compute without it
+        user, todo = scaled[0], list(scaled[0].users)  # the linear reading it (through its input's q/dq)
+        while todo and user.target != torch.ops.aten.linear.default:
+            user = todo.pop(0)
+            todo += list(user.users)
+        scopes = module_scopes(user)
+        where = scopes[-1][0] if scopes else recorded_modules(qmodel, modules).get(user.name, "")
+        more = f" and {len(scaled) - 1} more" if len(scaled) > 1 else ""
+        raise QuantkitError(f"{where or scaled[0].name}{more} read their input through an explicit per-channel scale "
+                            "(SmoothQuant or AWQ where 1/s folds into no op); compressed-tensors has no tensor for "
+                            "it: quantize with smooth_quant(..., fold_only=True) or WeightOnlyQuantizer(..., "
+                            "awq_fold_only=True) (the CLI does both for --format compressed-tensors)")
     plan = read_graph(qmodel, modules)
     if plan.unsupported and not skip_unsupported:
         u = plan.unsupported[0]

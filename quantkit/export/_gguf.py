@@ -27,7 +27,7 @@ from torch.fx import GraphModule
 
 from .. import _hf
 from .._errors import QuantkitError
-from .._graph import QUANTIZE_OPS, FLOAT8_QUANTIZE_OPS, module_scopes
+from .._graph import QUANTIZE_OPS, FLOAT8_QUANTIZE_OPS, explicit_input_scales, module_scopes
 from . import _ct_schemes as schemes
 from . import _ct_checks  # noqa: F401  (registers the reader refusing remainder groups)
 from ._ct_plan import recorded_modules
@@ -41,8 +41,6 @@ _QD = torch.ops.quantized_decomposed
 FLOAT_DTYPES = ("float32", "float16")
 # how messages name the options; the CLI passes its flags
 _FLAGS = {"skip_unsupported": "skip_unsupported=True"}
-# the buffer AWQ multiplies a linear's input by where 1/s could not fold (accuracy._folding.insert_mul)
-_AWQ_MUL = "_qk_smooth_inv_"
 
 
 @dataclass(frozen=True)
@@ -99,6 +97,7 @@ def _read_program(gm: GraphModule, hf, skip_unsupported: bool) -> tuple[dict, di
     quantized: dict[str, tuple[object, str]] = {}
     kept: dict[str, torch.Tensor] = {}
     problems: list[str] = []
+    input_scales = set(explicit_input_scales(gm))
 
     def refuse(where: str, what: str, value=None) -> None:
         if skip_unsupported and value is not None and f"{where}.weight" in hf.state_dict():
@@ -112,10 +111,11 @@ def _read_program(gm: GraphModule, hf, skip_unsupported: bool) -> tuple[dict, di
             if not (isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "get_attr"):
                 raise QuantkitError(f"GGUF holds weight-only quantization; {_module(node, recorded) or node.name} "
                                     "quantizes activations (w8a8/fp8): quantize with --scheme w4a16 or w8a16")
-        if node.target == aten.mul.Tensor and any(isinstance(a, torch.fx.Node) and a.op == "get_attr" and
-                                                  str(a.target).startswith(_AWQ_MUL) for a in node.args):
-            raise QuantkitError(f"{_module(node, recorded) or node.name} scales a linear's input by a constant (AWQ "
-                                "that could not fold into a norm or linear); GGUF cannot store it")
+        if node in input_scales:
+            where = _module(next(iter(node.users)), recorded) if node.users else ""
+            raise QuantkitError(f"{where or node.name} scales a linear's input by a constant (AWQ that could not "
+                                "fold into the op before it); GGUF cannot store it: quantize with "
+                                "WeightOnlyQuantizer(..., awq_fold_only=True) (the CLI does for --format gguf)")
         read = schemes.reader_for(node.target)
         if read is None:
             continue

@@ -13,7 +13,7 @@ import quantkit
 from quantkit import _graph
 from quantkit._errors import CalibrationError, ConvertError
 from quantkit.accuracy.rounding import _base as _rounding
-from quantkit.accuracy._gptq import gptq_quantize
+from quantkit.accuracy._gptq import GPTQConfig, gptq_quantize
 from quantkit.accuracy._wscheme import WeightScheme
 from quantkit.quantizers import QuantConfig, W8A8Quantizer, WeightOnlyQuantizer
 from tests.models import TwoBlockNet
@@ -124,9 +124,10 @@ def test_gptq_is_sequential():
         rows = torch.cat(h)
         return rows.T @ rows / rows.shape[0]
 
-    seq = gptq_quantize(model.layers[1].fc1.weight.detach(), fc1_input((rounded[0][1], rounded[1][1])), scheme)
+    clip = GPTQConfig(clip_search=True)  # weight-only GPTQ's default range search
+    seq = gptq_quantize(model.layers[1].fc1.weight.detach(), fc1_input((rounded[0][1], rounded[1][1])), scheme, clip)
     flt = gptq_quantize(model.layers[1].fc1.weight.detach(),
-                        fc1_input((model.layers[0].fc1.weight, model.layers[0].fc2.weight)), scheme)
+                        fc1_input((model.layers[0].fc1.weight, model.layers[0].fc2.weight)), scheme, clip)
     # the passes sum one float32 xᵀx per batch (HessianObserver(product_dtype=float32)), the reference
     # float64 rows: a rounding near a tie may flip and carry on (measured 99.6% equal; float inputs: 52%)
     assert float((seq.dequantized == rounded[2][1]).float().mean()) >= 0.98

@@ -9,9 +9,12 @@ rows with the weights rounded to nearest in their own scheme; ``s`` is normalise
 calibration batch's rows (``_sample``: bottom-k keys, seeded), and every grid point is scored
 in one batched computation (chunked to bound memory): the output error
 ``‖X Wᵀ - X Q(s)ᵀ‖²`` as ``tr(D XᵀX Dᵀ)`` with ``D = W - Q(s)``, when the sample has more rows
-than the layer has inputs. ``1/s`` is folded into the preceding LayerNorm/RMSNorm or linear
-where that op feeds only these linears (SmoothQuant's folding helpers), otherwise an explicit
-``mul`` is inserted. Optionally, each group of each weight is then clipped to the fraction of
+than the layer has inputs. ``1/s`` is folded into the op before the group where that op feeds
+only these linears (SmoothQuant's folding helpers, ``_folding``: a LayerNorm/RMSNorm, decomposed
+or not; a linear's output rows; a gated MLP's ``up`` rows), otherwise an explicit ``mul`` is
+inserted, or, where the observers declare ``awq_fold_only``, the group is left unscaled. Scales
+folded into an earlier group's rows leave its integers unchanged (a row is a whole number of
+groups); every scaled weight's qparams are fixed last. Optionally, each group of each weight is then clipped to the fraction of
 its max |w| (1, 0.95, …, 0.55) with the least output error (the reference's ``auto_clip``),
 all fractions scored at once through the groups' blocks of ``XᵀX``.
 
@@ -32,9 +35,9 @@ from quantkit.observers._tokens import real_tokens
 from ..._errors import CalibrationError
 from ..._graph import get_attr, set_attr
 from ...pipeline._hooks import CalibrationRun, register_calibration_hook
-from .._folding import FoldGroup, attr_use_counts, fold_target, insert_mul
+from .._folding import FoldGroup, apply_fold, attr_use_counts, fold_target, insert_mul
 from .._wscheme import WeightScheme
-from ._base import RoundedLinear, Tapped, record_rounding, rounding_plan
+from ._base import RoundedLinear, Tapped, observer_unwrapper, record_rounding, rounding_plan
 from ._sample import RowSample
 from ._sync import distributed_rounding, sync_row_stats, synced_pass
 
@@ -194,13 +197,6 @@ def awq_clip(x: torch.Tensor, w: torch.Tensor, scheme: WeightScheme, grid: int =
     return best.reshape(n, k)
 
 
-def _own_copy(gm: GraphModule, node: Node) -> None:
-    """Replace the attributes the op ``node`` reads by copies (the folding below writes them)."""
-    for arg in node.args:
-        if isinstance(arg, Node) and arg.op == "get_attr":
-            set_attr(gm, str(arg.target), get_attr(gm, str(arg.target)).detach().clone())
-
-
 def run_awq(prepared: GraphModule, linears: list[RoundedLinear], data: Iterable, *,
             max_batches: int | None, config: AWQConfig = AWQConfig()) -> list[dict]:
     """Scale (and clip) the weights of ``linears`` with AWQ, from one pass over ``data``."""
@@ -218,7 +214,8 @@ def run_awq(prepared: GraphModule, linears: list[RoundedLinear], data: Iterable,
     if seen == 0:
         raise CalibrationError("calibration data is empty: no batches were run; AWQ needs representative batches")
     counts = attr_use_counts(prepared)
-    records = []
+    unwrap = observer_unwrapper(prepared)
+    records, done = [], []
     for index, (src, lins) in enumerate(groups.items()):
         st = stats[src]
         if st.abs_sum is None:
@@ -226,37 +223,38 @@ def run_awq(prepared: GraphModule, linears: list[RoundedLinear], data: Iterable,
         x = st.sample.rows
         weights = [get_attr(prepared, lin.weight).detach().float() for lin in lins]
         schemes = [WeightScheme.of(lin.observer) for lin in lins]
-        s, alpha = awq_scales(x, st.abs_sum / st.count, weights, schemes, config.n_grid)
-        kind = None
+        # the linears' direct inputs from src (the linears, or activation observers before them)
+        users = list(dict.fromkeys(u for lin in lins for u in src.users if u is lin.node or lin.node in u.users))
+        group = FoldGroup(src, users)
+        target = fold_target(prepared, group, counts, unwrap=unwrap)
+        if target is None and all(getattr(lin.observer, "awq_fold_only", False) for lin in lins):
+            s, alpha, kind = None, None, "unscaled"  # no op to fold 1/s into, and no mul wanted
+        else:
+            s, alpha = awq_scales(x, st.abs_sum / st.count, weights, schemes, config.n_grid)
+            kind = None
         if s is not None:
-            # the linears' direct inputs from src (the linears, or activation observers before them)
-            users = list(dict.fromkeys(u for lin in lins for u in src.users
-                                       if u is lin.node or lin.node in u.users))
-            group = FoldGroup(src, users)
-            if src.op == "call_function":
-                _own_copy(prepared, src)
-            target = fold_target(prepared, group, counts)
             if target is None:
                 insert_mul(prepared, group, (1.0 / s), index)
                 kind = "mul"
             else:
-                kind, tensors = target
-                with torch.no_grad():
-                    for t, rows_axis in tensors:
-                        t.div_(s[:, None] if rows_axis else s)
-            weights = [w * s for w in weights]
+                kind, attrs = target
+                # the rows of a linear upstream (its integers unchanged: a row is a whole number of groups)
+                apply_fold(prepared, attrs, s)
+            weights = [get_attr(prepared, lin.weight).detach().float() * s for lin in lins]
             x = x / s
         for lin, w, scheme in zip(lins, weights, schemes):
             if config.clip and lin.algorithm == "awq":  # awq+gptq: GPTQ chooses the ranges
                 # the sample is in key order (random): its first rows are a uniform sample too
                 w = awq_clip(x[:config.clip_rows], w, scheme, config.clip_grid, config.max_shrink)
             set_attr(prepared, lin.weight, w.to(get_attr(prepared, lin.weight).dtype))
-            # the observer's own (round-to-nearest) qparams of the new weight, fixed
-            obs, new = lin.observer, get_attr(prepared, lin.weight)
-            obs.observe_weight(new) if hasattr(obs, "observe_weight") else obs(new)
-            obs.set_qparams(*obs.calculate_qparams())
+            done.append(lin)
             records.append({"layer": lin.node.name, "algorithm": lin.algorithm, "alpha": alpha,
-                            "folded_into": kind if kind in (None, "mul") else f"{kind}:{src.name}"})
+                            "folded_into": kind if kind in (None, "mul", "unscaled") else f"{kind}:{src.name}"})
+    for lin in done:  # last: a later group's 1/s may have gone into an earlier group's rows
+        # the observer's own (round-to-nearest) qparams of the final weight, fixed
+        obs, new = lin.observer, get_attr(prepared, lin.weight)
+        obs.observe_weight(new) if hasattr(obs, "observe_weight") else obs(new)
+        obs.set_qparams(*obs.calculate_qparams())
     prepared.recompile()
     return records
 

@@ -20,7 +20,8 @@ from ..._graph import is_observer_node, module_scopes
 from ...pipeline._calibrate import run_batches
 from ...pipeline._hooks import CalibrationRun
 
-__all__ = ["ROUNDING_META_KEY", "ROUNDING_ALGORITHMS", "RoundedLinear", "find_rounded_linears", "pending_algorithms", "rounding_plan",
+__all__ = ["ROUNDING_META_KEY", "ROUNDING_ALGORITHMS", "RoundedLinear", "find_rounded_linears", "observer_unwrapper",
+           "pending_algorithms", "rounding_plan",
            "record_rounding", "without_observers", "Tapped", "fix_qparams"]
 
 aten = torch.ops.aten
@@ -85,6 +86,19 @@ def find_rounded_linears(gm: GraphModule) -> list[RoundedLinear]:
             src = src.args[0]
         found.append(RoundedLinear(node, str(attr.target), obs, src, _block_of(node)))
     return found
+
+
+def observer_unwrapper(gm: GraphModule):
+    """A function mapping a node of ``gm`` (prepared) to what its observers observe: a linear's
+    weight argument to the weight's ``get_attr``."""
+    modules = _modules(gm)
+
+    def unwrap(node):
+        while _is_observer(node, modules):
+            node = node.args[0]
+        return node
+
+    return unwrap
 
 
 def pending_algorithms(gm: GraphModule) -> set[str]:
