@@ -70,19 +70,14 @@ def _linear_rows(lin: Node, counts: dict, unwrap) -> list[tuple[str, bool]] | No
     return [(str(w.target), True)] + ([(str(b.target), False)] if b is not None else [])
 
 
-def _channels(node) -> int | None:
-    val = example_value(node)
-    return int(val.shape[-1]) if val is not None and val.dim() >= 1 else None
-
-
 def _through_mul(gm: GraphModule, src: Node, counts: dict, unwrap) -> tuple[str, list] | None:
     """A product ``src = a * b`` that ``1/s`` (per channel of the last dim) folds into."""
     if len(src.args) != 2 or src.kwargs or not all(isinstance(a, Node) for a in src.args):
         return None
-    channels = _channels(src)
     out = example_value(src)
-    if channels is None:
+    if out is None or out.dim() == 0:
         return None
+    channels = int(out.shape[-1])
     for const, other in (src.args, src.args[::-1]):  # w * x̂: a decomposed norm's affine weight
         if own_attr(const, counts) and other.op != "get_attr":
             t = get_attr(gm, const.target)
@@ -92,7 +87,7 @@ def _through_mul(gm: GraphModule, src: Node, counts: dict, unwrap) -> tuple[str,
     for lin in src.args[::-1]:  # g * (x Uᵀ): the linear's rows, when only src reads it
         val = example_value(lin)
         if lin.op == "call_function" and lin.target is aten.linear.default and list(lin.users) == [src] \
-                and val is not None and out is not None and tuple(val.shape) == tuple(out.shape):
+                and val is not None and tuple(val.shape) == tuple(out.shape):
             rows = _linear_rows(lin, counts, unwrap)
             if rows is not None:
                 return "gate", rows

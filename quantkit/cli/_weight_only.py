@@ -7,7 +7,7 @@ import functools
 from dataclasses import dataclass
 
 from .._errors import QuantkitError
-from ..quantizers._weight_only import GPTQ_ROUNDED, WeightOnlyConfig
+from ..quantizers._weight_only import AWQ_SCALED, GPTQ_ROUNDED, WeightOnlyConfig
 from . import _inputs as inputs
 from ._export import folds_only
 from ._registered import presets_of
@@ -71,7 +71,7 @@ class WeightOnlyRecipe:
             raise inputs.UsageError(f"--clip-search searches the group ranges GPTQ rounds to; --algorithm {algorithm} "
                                     "has none: add --algorithm gptq or awq+gptq, or drop it")
         # GGUF and compressed-tensors hold no tensor for an input scale that folds nowhere
-        fold_only = algorithm in ("awq", "awq+gptq") and folds_only(args)
+        fold_only = algorithm in AWQ_SCALED and folds_only(args)
         return WeightOnlyRecipe(scheme, group_size if group_size is not None else config.group_size,
                                 algorithm, config.scheme, config.symmetric,
                                 double_quant or config.double_quant, clip_search,

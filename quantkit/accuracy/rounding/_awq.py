@@ -240,7 +240,7 @@ def run_awq(prepared: GraphModule, linears: list[RoundedLinear], data: Iterable,
                 kind, attrs = target
                 # the rows of a linear upstream (its integers unchanged: a row is a whole number of groups)
                 apply_fold(prepared, attrs, s)
-            weights = [get_attr(prepared, lin.weight).detach().float() * s for lin in lins]
+            weights = [w * s for w in weights]  # (a fold goes upstream of src: never into these)
             x = x / s
         for lin, w, scheme in zip(lins, weights, schemes):
             if config.clip and lin.algorithm == "awq":  # awq+gptq: GPTQ chooses the ranges
