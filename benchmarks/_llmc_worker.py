@@ -10,8 +10,9 @@ The benchmark writes the token windows once (``torch.save({"calibration": [n, L]
 ``llmcompressor.oneshot`` on the calibration rows with the row's recipe (``lm_head`` left float, as
 llm-compressor does by default), times it, scores the held-out windows and writes one JSON object
 per row (``{"row", "ppl", "seconds", "error"}``) to ``--json`` after every row (atomic rename).
-A row that raises records its error's first line instead (AWQ on CPU: llm-compressor asks for an
-accelerator).
+A row that raises records its error's first line instead. llm-compressor 0.14's AWQ pins its
+cached activations even without an accelerator, which raises on CPU; the worker skips the pinning
+there (``_cpu_only_pinning``), so AWQ runs.
 
 Run (normally by the benchmark):
   /work/llmc-venv/bin/python benchmarks/_llmc_worker.py --model DIR --data windows.pt --rows a,b --json out.json
@@ -101,11 +102,24 @@ LLMC_ROWS = ("int8-wo", "int4-g64-asym-rtn", "int4-g64-sym-rtn", "int4-g64-asym-
              "int4-g64-asym-awq", "int4-g64-asym-awq+gptq", "w8a8-pt-rtn", "w8a8-pt-sq-gptq", "fp8-dynamic")
 
 
+def _cpu_only_pinning() -> None:
+    """llm-compressor 0.14's AWQ pins its cached activations for host-to-device copies, which
+    raises "Cannot access accelerator device when none is available" on a machine without one;
+    with no device to copy to, pinning is skipped (nothing else changes)."""
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    if torch.accelerator.is_available() or getattr(IntermediatesCache, "_quantkit_cpu_only", False):
+        return
+    IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
+    IntermediatesCache._quantkit_cpu_only = True
+
+
 def _run(row: str, model_dir: str, calibration: torch.Tensor, heldout: torch.Tensor) -> dict:
     import transformers
     from datasets import Dataset
     from llmcompressor import oneshot
 
+    _cpu_only_pinning()
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     data = Dataset.from_dict({"input_ids": calibration.tolist(),
                               "attention_mask": torch.ones_like(calibration).tolist()})

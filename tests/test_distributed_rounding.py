@@ -26,7 +26,7 @@ from quantkit.accuracy.rounding import _base as _rounding
 from quantkit.observers import HessianObserver
 from quantkit.observers._sync import sync_observers
 from quantkit.quantizers import QuantConfig, W8A8Quantizer, WeightOnlyQuantizer
-from tests.models import TwoBlockNet
+from tests.models import TransformerBlock, TwoBlockNet
 from tests.test_distributed import WORLD, _one_thread, _torchrun, run_ranks  # noqa: F401 (_one_thread: autouse fixture)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not hasattr(os, "fork"),
@@ -68,6 +68,16 @@ def _quantize(model, data, scheme, distributed):
     return prepared
 
 
+def _attention_model():
+    """A transformer block: AWQ scores its q/k/v scales on whole batches (``BatchSample``),
+    which the ranks merge; 8 batches of 512 rows, 2048 kept (``AWQConfig.block_rows``)."""
+    torch.manual_seed(3)
+    model = TransformerBlock(d=32, heads=4).eval()
+    with torch.no_grad():
+        model.ln1.weight[7] = 15.0
+    return model
+
+
 def _hessians(batches) -> HessianObserver:
     h = HessianObserver()
     for x in batches:
@@ -90,6 +100,10 @@ def ranks(tmp_path_factory):
             res[f"smooth/{alpha}"] = quantkit.smooth_quant(model, mine, alpha=alpha).state_dict()
         res["smooth/local"] = quantkit.smooth_quant(model, mine, alpha=0.5, distributed=False).state_dict()
         res["int4_awq/local"] = _rounded(_quantize(model, mine, "int4_awq", False))
+        attn = _quantize(_attention_model(), mine, "int4_awq", "auto")
+        res["int4_awq/attention"] = _rounded(attn)
+        res["int4_awq/attention/loss"] = [r["loss"] for r in attn.meta[_rounding.ROUNDING_META_KEY]]
+        res["int4_awq/attention/local"] = _rounded(_quantize(_attention_model(), mine, "int4_awq", False))
         for scheme in SCHEMES:
             prepared = _quantize(model, mine, scheme, "auto")
             res[scheme] = _rounded(prepared)
@@ -166,6 +180,23 @@ def test_awq_equals_one_process(ranks):
             assert all(torch.equal(a, b) for a, b in zip(ref[name], got[name])), (rank, name)
     # the check can fail: AWQ on rank 0's shard alone scales or clips differently
     local = ranks[0]["int4_awq/local"]
+    assert any(not torch.equal(ref[n][0], local[n][0]) for n in ref)
+
+
+def test_awq_block_loss_on_whole_batches_equals_one_process(ranks):
+    """The attention block is scored on the batches with the smallest keys of all ranks'."""
+    _, data = _model_and_data()
+    prepared = _quantize(_attention_model(), data, "int4_awq", False)
+    ref = _rounded(prepared)
+    losses = [r["loss"] for r in prepared.meta[_rounding.ROUNDING_META_KEY]]
+    assert losses.count("block") >= 2 and len(ref) == 4  # qkv (the attention) and fc1 (the MLP)
+    for rank in range(WORLD):
+        assert ranks[rank]["int4_awq/attention/loss"] == losses
+        got = ranks[rank]["int4_awq/attention"]
+        assert got.keys() == ref.keys()
+        for name in ref:
+            assert all(torch.equal(a, b) for a, b in zip(ref[name], got[name])), (rank, name)
+    local = ranks[0]["int4_awq/attention/local"]
     assert any(not torch.equal(ref[n][0], local[n][0]) for n in ref)
 
 

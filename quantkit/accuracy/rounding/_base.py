@@ -7,6 +7,7 @@ finds and checks their linears once per ``calibrate`` call, for both.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -117,15 +118,17 @@ class _StopHere(torch.nn.Module):
 
 
 class _Catch(torch.nn.Module):
-    def __init__(self, gm: GraphModule) -> None:
+    def __init__(self, gm: GraphModule, around=None) -> None:
         super().__init__()
         self.gm = gm
+        self.around = around
 
     def forward(self, *args, **kwargs):
-        try:
-            return self.gm(*args, **kwargs)
-        except _Stop:
-            return None
+        with contextlib.nullcontext() if self.around is None else self.around(args, kwargs):
+            try:
+                return self.gm(*args, **kwargs)
+            except _Stop:
+                return None
 
 
 def without_observers(gm: GraphModule) -> tuple[torch.fx.Graph, dict[Node, Node]]:
@@ -175,9 +178,11 @@ class Tapped:
             delattr(self.gm, str(t.target))
         self.taps = []
 
-    def run(self, data: Iterable, *, max_batches: int | None, desc: str) -> int:
+    def run(self, data: Iterable, *, max_batches: int | None, desc: str, around=None) -> int:
+        """One pass over ``data``; ``around(args, kwargs)``, when given, is a context manager
+        entered around each batch's forward."""
         self.gm.recompile()
-        return run_batches(_Catch(self.gm), data, progress=False, max_batches=max_batches, desc=desc,
+        return run_batches(_Catch(self.gm, around), data, progress=False, max_batches=max_batches, desc=desc,
                            what="calibration", skip_padding=True)
 
 

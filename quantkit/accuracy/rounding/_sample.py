@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["RowSample", "batch_keys"]
+__all__ = ["RowSample", "batch_keys", "value_key"]
 
 _MOD = 65521  # largest prime below 2**16: position weights 1..65521 keep every product below 2**36
 
@@ -37,6 +37,15 @@ def batch_keys(x: torch.Tensor, seed: int) -> torch.Tensor:
     """Keys uniform in [0, 1) (float64), one per row of ``x`` (``[T, C]``), from ``seed`` and ``x``'s values."""
     gen = torch.Generator().manual_seed((int(seed) * 0x9E3779B1 + _fingerprint(x)) % (1 << 63))
     return torch.rand(x.shape[0], generator=gen, dtype=torch.float64)
+
+
+def value_key(tensors: list[torch.Tensor], seed: int) -> float:
+    """One key uniform in [0, 1) for a whole batch (its input tensors), from ``seed`` and their values."""
+    fp = 0
+    for t in tensors:
+        fp = (fp * 1_000_003 + _fingerprint(t)) % (1 << 62)
+    gen = torch.Generator().manual_seed((int(seed) * 0x9E3779B1 + fp) % (1 << 63))
+    return float(torch.rand(1, generator=gen, dtype=torch.float64))
 
 
 class RowSample:

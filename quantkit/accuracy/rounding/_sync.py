@@ -42,7 +42,8 @@ from quantkit.observers._sync import EXCHANGED, abandon, sync_observers
 from ...pipeline._distributed import on_all_ranks
 from ._sample import RowSample
 
-__all__ = ["distributed_rounding", "synced_pass", "sync_hessians", "sync_channel_stats", "sync_row_stats"]
+__all__ = ["distributed_rounding", "synced_pass", "sync_hessians", "sync_channel_stats", "sync_row_stats",
+           "sync_batch_sample"]
 
 _ACTIVE = [False]  # within distributed_rounding(True): the rounding passes sync
 
@@ -146,3 +147,16 @@ def sync_row_stats(stats: Iterable) -> None:
         st.count = int(c.count)
         st.sample = RowSample(st.sample.keep, st.sample.seed)
         st.sample.merge(c.keys, c.rows)
+
+
+def sync_batch_sample(sample) -> None:
+    """AWQ's whole-batch sample for the blocks that mix a sequence's rows (``_region.BatchSample``)
+    across ranks: every rank takes in every rank's kept batches and keeps the smallest keys
+    within the budget, one process's choice on all the batches (a batch's key is seeded by
+    its values)."""
+    if not active():
+        return
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, sample.kept)  # within the process group, not a file
+    sample.kept = []
+    sample.merge([item for rank in gathered for item in rank])
