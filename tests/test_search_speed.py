@@ -267,3 +267,31 @@ def test_one_batch_calibrates_a_graph_that_observes_weights_only(config, one):
             assert prepared.meta["quantkit_calibrated_batches"] == 1  # calibrate itself stopped after one
             models.append(quantkit.convert(prepared).state_dict())
         assert models[0].keys() == models[1].keys() and all(torch.equal(models[0][k], models[1][k]) for k in models[0])
+
+
+@pytest.mark.parametrize("algorithm", ["gptq", "awq", "awq+gptq"])
+def test_weight_only_rounding_calibrates_one_batch_and_rounds_on_all(algorithm, monkeypatch):
+    """GPTQ/AWQ weight-only: calibrate's own pass observes weights only, so it stops after one
+    batch, while the rounding still sees every batch (GPTQ's Hessian rows); the converted model is
+    the one that a pass over every batch gives, tensor for tensor."""
+    from quantkit.accuracy.rounding import ROUNDING_META_KEY
+    from quantkit.pipeline import _calibrate
+    from quantkit.quantizers import WeightOnlyQuantizer
+
+    model, x = make_transformer()
+    calib = [x[:8], 3 * x[8:16], x[16:]]
+
+    def run():
+        prepared = quantkit.prepare(quantkit.capture(model, (x[:8],)),
+                                    WeightOnlyQuantizer(bits=4, group_size=16, algorithm=algorithm))
+        quantkit.calibrate(prepared, calib, progress=False)
+        return prepared, quantkit.convert(prepared).state_dict()
+
+    prepared, fast = run()
+    assert prepared.meta["quantkit_calibrated_batches"] == 1
+    gptq_rows = {r["rows"] for r in prepared.meta[ROUNDING_META_KEY] if r["algorithm"] == "gptq"}
+    assert gptq_rows == ({x.shape[0] * x.shape[1]} if "gptq" in algorithm else set())
+    monkeypatch.setattr(_calibrate, "one_batch_suffices", lambda prepared: False)
+    prepared, full = run()
+    assert prepared.meta["quantkit_calibrated_batches"] == len(calib)
+    assert fast.keys() == full.keys() and all(torch.equal(fast[k], full[k]) for k in fast)

@@ -124,14 +124,17 @@ def calibrate(prepared: GraphModule, data: Iterable, *, progress: bool = True,
         return run_batches(prepared, data, progress=progress, max_batches=limit, desc="calibrating",
                            what="calibration", skip_padding=skip_padding)
 
+    def observe() -> int:
+        # observers of weights only (weight-only RTN, GPTQ and AWQ, dynamic activations): every
+        # further batch would leave every statistic as the first left it (issue 31: 20 of
+        # SmolLM2's 29 s of RTN, one whole forward of GPTQ's). Asked when the pass starts, after
+        # the before-pass hooks (AWQ) have changed the graph; the hooks still see every batch.
+        return run(1) if one_batch_suffices(prepared) else run()
+
     synced = use_distributed(distributed)
     # the registered hooks (GPTQ/AWQ, when weights ask for them), their statistics synced pass by
     # pass under a process group (quantkit.accuracy.rounding)
-    hooked = with_hooks(CalibrationRun(prepared, data, max_batches, synced), run)
-    if hooked is run and one_batch_suffices(prepared):
-        # observers of weights only (RTN weight-only, dynamic activations): every further batch
-        # would leave every statistic as the first left it (issue 31: 20 of SmolLM2's 29 s of RTN)
-        hooked = lambda: run(1)  # noqa: E731
+    hooked = with_hooks(CalibrationRun(prepared, data, max_batches, synced), observe)
     seen = calibrate_synced(prepared, hooked, data) if synced else hooked()
     if seen == 0:
         raise CalibrationError(

@@ -298,13 +298,15 @@ def run_awq(prepared: GraphModule, linears: list[RoundedLinear], data: Iterable,
             slots.setdefault(region.src, []).append((index[src], "src"))
             for i, n in enumerate(region.inputs):
                 slots.setdefault(n, []).append((index[src], f"in{i}"))
-    stats = {}
-    for src in groups:
-        stats[src] = _RowStats(config.rows, config.seed)
-        tapped.tap(src, stats[src])
+    stats = {src: _RowStats(config.rows, config.seed) for src in groups}
     prepared_of = {new: old for old, new in tapped.env.items()}
-    for n, node_slots in slots.items():
-        tapped.tap(prepared_of[n], store_tap(sample, node_slots))
+    taps = list(stats.items()) + [(prepared_of[n], store_tap(sample, s)) for n, s in slots.items()]
+    # the pass stops after the last tapped value (the head after the last group is not run); of the
+    # taps on that node the first inserted ends up last (each goes in right after the node)
+    order = {n: i for i, n in enumerate(prepared.graph.nodes)}
+    last = max(range(len(taps)), key=lambda i: (order[taps[i][0]], -i))
+    for i, (node, module) in enumerate(taps):
+        tapped.tap(node, module, stop=i == last)
     around = sample.batch if slots else None
 
     def sync():
