@@ -169,18 +169,23 @@ def test_smoothquant_factors_equal_one_process(ranks, alpha):
     assert any(not torch.equal(ref[k], local[k]) for k in ref)
 
 
+def _assert_awq_ranks_equal(ranks, ref: dict, key: str) -> None:
+    """Every rank's AWQ weights and qparams (``ranks[rank][key]``) ``torch.equal`` to one process's
+    ``ref``, and the check can fail: AWQ on rank 0's shard alone (``key + "/local"``) differs."""
+    for rank in range(WORLD):
+        got = ranks[rank][key]
+        assert got.keys() == ref.keys()
+        for name in ref:
+            assert all(torch.equal(a, b) for a, b in zip(ref[name], got[name])), (rank, name)
+    local = ranks[0][f"{key}/local"]
+    assert any(not torch.equal(ref[n][0], local[n][0]) for n in ref)
+
+
 def test_awq_equals_one_process(ranks):
     model, data = _model_and_data()
     ref = _rounded(_quantize(model, data, "int4_awq", False))
     assert len(ref) == 4
-    for rank in range(WORLD):
-        got = ranks[rank]["int4_awq"]
-        assert got.keys() == ref.keys()
-        for name in ref:
-            assert all(torch.equal(a, b) for a, b in zip(ref[name], got[name])), (rank, name)
-    # the check can fail: AWQ on rank 0's shard alone scales or clips differently
-    local = ranks[0]["int4_awq/local"]
-    assert any(not torch.equal(ref[n][0], local[n][0]) for n in ref)
+    _assert_awq_ranks_equal(ranks, ref, "int4_awq")
 
 
 def test_awq_block_loss_on_whole_batches_equals_one_process(ranks):
@@ -190,14 +195,8 @@ def test_awq_block_loss_on_whole_batches_equals_one_process(ranks):
     ref = _rounded(prepared)
     losses = [r["loss"] for r in prepared.meta[_rounding.ROUNDING_META_KEY]]
     assert losses.count("block") >= 2 and len(ref) == 4  # qkv (the attention) and fc1 (the MLP)
-    for rank in range(WORLD):
-        assert ranks[rank]["int4_awq/attention/loss"] == losses
-        got = ranks[rank]["int4_awq/attention"]
-        assert got.keys() == ref.keys()
-        for name in ref:
-            assert all(torch.equal(a, b) for a, b in zip(ref[name], got[name])), (rank, name)
-    local = ranks[0]["int4_awq/attention/local"]
-    assert any(not torch.equal(ref[n][0], local[n][0]) for n in ref)
+    assert all(ranks[rank]["int4_awq/attention/loss"] == losses for rank in range(WORLD))
+    _assert_awq_ranks_equal(ranks, ref, "int4_awq/attention")
 
 
 def _integers(weight, scale, zp) -> torch.Tensor:
