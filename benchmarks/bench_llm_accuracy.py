@@ -16,7 +16,8 @@ Rows (``--rows``; a name, a library, or ``library:name``, comma-separated; defau
   range (``clip_search``, its default), and its int4-g64-{sym,asym}-gptq-noclip rows do not;
   int4-g64-asym-{awq,awq+gptq}-fold (``awq_fold_only=True``: no explicit ``mul``); nf4-g64; w8a8-pt-rtn (int8 per-channel weights, dynamic
   per-token int8 activations, linears only); w8a8-pt-sq-gptq (SmoothQuant alpha 0.8, then GPTQ); fp8-dynamic
-  (E4M3 per-channel weights, dynamic per-token E4M3 activations); and quantkit's KV-cache variants
+  (E4M3 per-channel weights, dynamic per-token E4M3 activations); fp8-dynamic-gptq (quantkit: the same with
+  the weights rounded by GPTQ on the float8 grid); and quantkit's KV-cache variants
   ``<row>+kv-int8`` / ``<row>+kv-fp8`` (``quantize(max_cache_len=--window, kv_cache=...)``: the program
   runs every window through its int8 / fp8_e4m3 static cache, per-tensor scales calibrated on the same rows).
   torchao: int8-wo (``Int8WeightOnlyConfig``), int4-g64-{asym,sym}-rtn (``IntxWeightOnlyConfig``, fp32),
@@ -96,6 +97,9 @@ def _quantkit_quantizers() -> dict:
                             .set_module_name("lm_head", None), QuantConfig(**_PER_TOKEN, weight_algorithm="gptq")),
         "fp8-dynamic": (lambda: FP8Quantizer(dynamic=True, granularity="per-token", ops=frozenset({"linear"}))
                         .set_module_name("lm_head", None), None),
+        # the E4M3 weights rounded by GPTQ on the float8 grid (FP8Quantizer(weight_algorithm="gptq"))
+        "fp8-dynamic-gptq": (lambda: FP8Quantizer(dynamic=True, granularity="per-token", ops=frozenset({"linear"}),
+                                                  weight_algorithm="gptq").set_module_name("lm_head", None), None),
     }
     for algo in WEIGHT_ONLY_ALGORITHMS:  # gptq, awq, and awq+gptq once it exists
         if algo != "rtn":
