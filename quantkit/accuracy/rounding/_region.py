@@ -39,9 +39,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from ..._graph import get_attr
 from ._sample import value_key
 
-__all__ = ["Region", "output_region", "feeds_attention_scores", "BatchSample", "RegionScorer"]
+__all__ = ["Region", "output_region", "feeds_attention_scores", "BatchSample", "store_tap", "RegionScorer"]
 
 aten = torch.ops.aten
 _MAX_NODES = 400  # a region larger than this is not one block: the group falls back to its linears' outputs
@@ -89,12 +90,10 @@ def _row_wise(n: Node) -> bool:
 
 
 def _small_constant(gm: GraphModule | None, n: Node) -> bool:
-    """A get_attr of at most one dimension (broadcast along the rows), or a linear's weight/bias."""
+    """A get_attr of at most one dimension (broadcast along the rows)."""
     if gm is None:
         return False
-    t = gm
-    for part in str(n.target).split("."):
-        t = getattr(t, part, None)
+    t = get_attr(gm, n.target)
     return isinstance(t, torch.Tensor) and t.dim() <= 1
 
 
@@ -292,7 +291,7 @@ class RegionScorer:
         self.gm = GraphModule(root, graph)
         self.args = [[b["src"]] + [b[f"in{i}"] for i in range(len(region.inputs))] for b in batches]
         with torch.no_grad():
-            self.reference_weights = [_attr(root, t) for t in self.weights]
+            self.reference_weights = [get_attr(root, t) for t in self.weights]
             self.reference = [self.gm(*a, *self.reference_weights).detach() for a in self.args]
 
     def dtype(self, i: int) -> torch.dtype:
@@ -311,9 +310,3 @@ class RegionScorer:
                 errs.append(e)
         return torch.stack(errs)
 
-
-def _attr(root, target: str):
-    t = root
-    for part in target.split("."):
-        t = getattr(t, part)
-    return t
