@@ -309,4 +309,3 @@ class RegionScorer:
                     e += (self.gm(*a, *ws).float() - ref.float()).pow(2).sum(dtype=torch.float64)
                 errs.append(e)
         return torch.stack(errs)
-
